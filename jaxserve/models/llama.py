@@ -1,0 +1,172 @@
+"""The Llama family (Llama 2/3, SmolLM2, Mistral, Qwen2) as a Flax NNX module.
+
+Decoder layers keep their weights stacked on a leading [num_layers] axis and run
+under `jax.lax.scan`, so compile time does not grow with depth. Kernels are
+stored [in, out]; the weight map transposes torch's [out, in] on load.
+"""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxserve.attention import AttentionMetadata, paged_attention
+from jaxserve.config import ModelConfig
+from jaxserve.kv_cache import KVCache, write_kv
+from jaxserve.models.interface import ModelSpec, WeightRule, register_model
+
+
+def rope_inv_freq(config: ModelConfig) -> np.ndarray:
+    """f32[head_dim // 2] rotary frequencies, with Llama-3 scaling when configured."""
+    dim = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim))
+    scaling = config.rope_scaling
+    if scaling is not None:
+        low_wavelen = scaling.original_max_position_embeddings / scaling.low_freq_factor
+        high_wavelen = scaling.original_max_position_embeddings / scaling.high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        smooth = (scaling.original_max_position_embeddings / wavelen - scaling.low_freq_factor) / (
+            scaling.high_freq_factor - scaling.low_freq_factor
+        )
+        smoothed = (1 - smooth) * inv_freq / scaling.factor + smooth * inv_freq
+        inv_freq = np.where(
+            wavelen > low_wavelen,
+            inv_freq / scaling.factor,
+            np.where(wavelen < high_wavelen, inv_freq, smoothed),
+        )
+    return inv_freq.astype(np.float32)
+
+
+def apply_rope(
+    x: jax.Array,  # f32[num_tokens, heads, head_dim]
+    positions: jax.Array,  # i32[num_tokens]
+    inv_freq: np.ndarray,  # f32[head_dim // 2]
+) -> jax.Array:
+    """Rotate halves (the Hugging Face layout, after undoing llama.cpp's permutation)."""
+    angles = positions[:, None].astype(jnp.float32) * inv_freq[None, :]
+    cos = jnp.cos(angles)[:, None, :]
+    sin = jnp.sin(angles)[:, None, :]
+    x1, x2 = jnp.split(x, 2, axis=-1)
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    x32 = x.astype(jnp.float32)
+    normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return (normed * weight).astype(x.dtype)
+
+
+def _param(rngs: nnx.Rngs, shape: tuple[int, ...], dtype: jnp.dtype) -> nnx.Param:
+    return nnx.Param(jax.random.normal(rngs.params(), shape, dtype) * 0.02)
+
+
+class DecoderLayers(nnx.Module):
+    """Every decoder layer's weights, stacked on a leading [num_layers] axis."""
+
+    def __init__(self, config: ModelConfig, rngs: nnx.Rngs, dtype: jnp.dtype = jnp.float32):
+        n, d, f = config.num_layers, config.hidden_size, config.intermediate_size
+        q_dim = config.num_heads * config.head_dim
+        kv_dim = config.num_kv_heads * config.head_dim
+        self.config = config
+        self.input_norm = nnx.Param(jnp.ones((n, d), dtype))
+        self.q_proj = _param(rngs, (n, d, q_dim), dtype)
+        self.k_proj = _param(rngs, (n, d, kv_dim), dtype)
+        self.v_proj = _param(rngs, (n, d, kv_dim), dtype)
+        if config.attention_bias:
+            self.q_bias = nnx.Param(jnp.zeros((n, q_dim), dtype))
+            self.k_bias = nnx.Param(jnp.zeros((n, kv_dim), dtype))
+            self.v_bias = nnx.Param(jnp.zeros((n, kv_dim), dtype))
+        self.o_proj = _param(rngs, (n, q_dim, d), dtype)
+        self.post_norm = nnx.Param(jnp.ones((n, d), dtype))
+        self.gate_proj = _param(rngs, (n, d, f), dtype)
+        self.up_proj = _param(rngs, (n, d, f), dtype)
+        self.down_proj = _param(rngs, (n, f, d), dtype)
+
+    def __call__(
+        self,
+        x: jax.Array,  # f32[num_tokens, hidden]
+        positions: jax.Array,  # i32[num_tokens]
+        kv_cache: KVCache,
+        metadata: AttentionMetadata,
+    ) -> tuple[jax.Array, KVCache]:
+        cfg = self.config
+        weights = {name: p[...] for name, p in vars(self).items() if isinstance(p, nnx.Param)}
+        inv_freq = rope_inv_freq(cfg)
+        scale = cfg.head_dim**-0.5
+        num_tokens = x.shape[0]
+
+        def layer(carry, w):
+            x, cache, i = carry
+            h = rms_norm(x, w["input_norm"], cfg.rms_norm_eps)
+            q, k, v = h @ w["q_proj"], h @ w["k_proj"], h @ w["v_proj"]
+            if cfg.attention_bias:
+                q, k, v = q + w["q_bias"], k + w["k_bias"], v + w["v_bias"]
+            q = apply_rope(q.reshape(num_tokens, cfg.num_heads, cfg.head_dim), positions, inv_freq)
+            k = apply_rope(
+                k.reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim), positions, inv_freq
+            )
+            v = v.reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim)
+            cache = write_kv(cache, i, metadata.slot_mapping, k, v)
+            attn = paged_attention(q, cache, i, positions, metadata, scale)
+            x = x + attn.reshape(num_tokens, -1) @ w["o_proj"]
+            h = rms_norm(x, w["post_norm"], cfg.rms_norm_eps)
+            x = x + (jax.nn.silu(h @ w["gate_proj"]) * (h @ w["up_proj"])) @ w["down_proj"]
+            return (x, cache, i + 1), None
+
+        (x, kv_cache, _), _ = jax.lax.scan(layer, (x, kv_cache, jnp.int32(0)), weights)
+        return x, kv_cache
+
+
+class LlamaForCausalLM(nnx.Module):
+    """Embedding → scanned decoder layers → final norm → LM head (tied or not)."""
+
+    def __init__(self, config: ModelConfig, rngs: nnx.Rngs, dtype: jnp.dtype = jnp.float32):
+        self.config = config
+        self.embed = _param(rngs, (config.vocab_size, config.hidden_size), dtype)
+        self.layers = DecoderLayers(config, rngs, dtype)
+        self.norm = nnx.Param(jnp.ones((config.hidden_size,), dtype))
+        if not config.tie_word_embeddings:
+            self.lm_head = _param(rngs, (config.hidden_size, config.vocab_size), dtype)
+
+    def __call__(
+        self,
+        token_ids: jax.Array,  # i32[num_tokens]
+        positions: jax.Array,  # i32[num_tokens]
+        kv_cache: KVCache,
+        metadata: AttentionMetadata,
+    ) -> tuple[jax.Array, KVCache]:  # f32[num_logits, vocab], cache
+        x = self.embed[...][token_ids]
+        x, kv_cache = self.layers(x, positions, kv_cache, metadata)
+        x = rms_norm(x[metadata.logits_indices], self.norm[...], self.config.rms_norm_eps)
+        head = self.embed[...].T if self.config.tie_word_embeddings else self.lm_head[...]
+        return (x @ head).astype(jnp.float32), kv_cache
+
+
+def llama_weight_map(config: ModelConfig) -> dict[str, WeightRule]:
+    """Hugging Face tensor names of every parameter of `LlamaForCausalLM`."""
+    layer = "model.layers.{layer}."
+    rules = {
+        "embed": WeightRule("model.embed_tokens.weight"),
+        "norm": WeightRule("model.norm.weight"),
+        "layers/input_norm": WeightRule(layer + "input_layernorm.weight"),
+        "layers/post_norm": WeightRule(layer + "post_attention_layernorm.weight"),
+        "layers/o_proj": WeightRule(layer + "self_attn.o_proj.weight", transpose=True),
+    }
+    for name in ("q", "k", "v"):
+        rules[f"layers/{name}_proj"] = WeightRule(
+            layer + f"self_attn.{name}_proj.weight", transpose=True
+        )
+        if config.attention_bias:
+            rules[f"layers/{name}_bias"] = WeightRule(layer + f"self_attn.{name}_proj.bias")
+    for name in ("gate", "up", "down"):
+        rules[f"layers/{name}_proj"] = WeightRule(layer + f"mlp.{name}_proj.weight", transpose=True)
+    if not config.tie_word_embeddings:
+        rules["lm_head"] = WeightRule("lm_head.weight", transpose=True)
+    return rules
+
+
+LLAMA_SPEC = ModelSpec(build=LlamaForCausalLM, weight_map=llama_weight_map)
+for _architecture in ("llama", "mistral", "qwen2"):
+    register_model(_architecture, LLAMA_SPEC)
