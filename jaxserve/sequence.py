@@ -1,0 +1,80 @@
+"""A sequence's host-side life after admission: its tokens, its text, and when it stops.
+
+Stop rules, in the OpenAI/vLLM sense: EOS (unless ignore_eos), stop token ids,
+stop strings (trimmed exactly, even across token boundaries), and max_tokens;
+none but max_tokens fires before min_tokens. Text is released only once it can
+no longer turn out to be the start of a stop string.
+"""
+
+from dataclasses import dataclass, field
+
+from jaxserve.config import SamplingParams
+from jaxserve.tokenizer import IncrementalDetokenizer, Tokenizer
+
+
+@dataclass
+class Sequence:
+    """Generated tokens and released text of one prompt."""
+
+    prompt_ids: list[int]
+    params: SamplingParams
+    tokenizer: Tokenizer
+    eos_token_ids: tuple[int, ...]
+    output_ids: list[int] = field(default_factory=list)
+    text: str = ""  # released text: never contains (the start of) a stop string
+    finish_reason: str | None = None  # "stop" or "length" once finished
+    _detok: IncrementalDetokenizer = field(init=False)
+    _pending: str = field(init=False, default="")  # decoded but held back
+
+    def __post_init__(self) -> None:
+        self._detok = IncrementalDetokenizer(self.tokenizer, self.prompt_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    def append(self, token_id: int) -> str:
+        """Take one generated token; return the text newly released to the client."""
+        self.output_ids.append(token_id)
+        may_stop = len(self.output_ids) > self.params.min_tokens
+        is_eos = token_id in self.eos_token_ids and not self.params.ignore_eos
+        if may_stop and (is_eos or token_id in self.params.stop_token_ids):
+            self.finish_reason = "stop"
+            return self._release(self._pending)
+        self._pending += self._detok.add(token_id)
+        if may_stop and self.params.stop:
+            cut = _first_stop(self._pending, self.params.stop)
+            if cut is not None:
+                self.finish_reason = "stop"
+                return self._release(self._pending[:cut])
+        if len(self.output_ids) >= self.params.max_tokens:
+            self.finish_reason = "length"
+            return self._release(self._pending)
+        keep = _partial_stop_suffix(self._pending, self.params.stop)
+        return self._release(self._pending[: len(self._pending) - keep], keep)
+
+    def _release(self, text: str, keep: int = 0) -> str:
+        self._pending = self._pending[len(self._pending) - keep :] if keep else ""
+        self.text += text
+        return text
+
+
+def _first_stop(text: str, stops: tuple[str, ...]) -> int | None:
+    """Index where the earliest stop string starts in `text`, if any."""
+    hits = [i for i in (text.find(s) for s in stops if s) if i >= 0]
+    return min(hits) if hits else None
+
+
+def _partial_stop_suffix(text: str, stops: tuple[str, ...]) -> int:
+    """Length of the longest suffix of `text` that is a proper prefix of a stop string."""
+    best = 0
+    for stop in stops:
+        for n in range(min(len(stop) - 1, len(text)), best, -1):
+            if text.endswith(stop[:n]):
+                best = n
+                break
+    return best

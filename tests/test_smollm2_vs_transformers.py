@@ -1,0 +1,73 @@
+"""SmolLM2-135M-Instruct from its GGUF file, on both sides: greedy tokens must be identical."""
+
+import numpy as np
+import pytest
+import torch
+import transformers
+
+from jaxserve import LLM, SamplingParams
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, in a small village,",
+    "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n",
+    "Les fleurs du printemps sont",
+]
+NEW_TOKENS = 32
+
+
+@pytest.fixture(scope="module")
+def hf_model(smollm2_gguf):
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        smollm2_gguf.parent, gguf_file=smollm2_gguf.name, dtype=torch.float32
+    ).eval()
+
+
+@pytest.fixture(scope="module")
+def llm(smollm2_gguf):
+    return LLM(model=smollm2_gguf, max_batch=8, num_pages=128)
+
+
+def hf_greedy(model, ids: list[int], n: int) -> list[int]:
+    """Plain argmax continuation with a KV cache (EOS does not stop it)."""
+    out, past, step_ids = [], None, torch.tensor([ids])
+    with torch.no_grad():
+        for _ in range(n):
+            result = model(step_ids, past_key_values=past, use_cache=True)
+            past = result.past_key_values
+            token = int(result.logits[0, -1].argmax())
+            out.append(token)
+            step_ids = torch.tensor([[token]])
+    return out
+
+
+def test_prompt_logits_match(llm, hf_model):
+    from jaxserve.batch import Chunk, pack_step
+    from jaxserve.step import forward
+
+    ids = llm.tokenizer.encode(PROMPTS[2])
+    inputs = pack_step([Chunk(ids, 0, [1, 2])], llm.page_size, 16, 1, 2)
+    meta = inputs.metadata.__class__(
+        inputs.metadata.seq_ids,
+        inputs.metadata.slot_mapping,
+        inputs.metadata.page_table,
+        np.arange(len(ids), dtype=np.int32),
+    )
+    logits, llm.kv_cache = forward(
+        llm.graphdef, llm.state, llm.kv_cache, inputs.token_ids, inputs.positions, meta
+    )
+    with torch.no_grad():
+        want = hf_model(torch.tensor([ids])).logits[0].numpy()
+    # Same dequantized weights on both sides; f32 accumulation order differs.
+    np.testing.assert_allclose(np.asarray(logits), want, atol=2e-3, rtol=0)
+
+
+def test_greedy_continuations_identical(llm, hf_model):
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    outputs = llm.generate(PROMPTS, params)
+    for prompt, out in zip(PROMPTS, outputs):
+        assert out.prompt_token_ids == llm.tokenizer.encode(prompt)
+        want = hf_greedy(hf_model, out.prompt_token_ids, NEW_TOKENS)
+        assert out.token_ids == want, prompt
+        assert out.finish_reason == "length"
