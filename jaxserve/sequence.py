@@ -44,7 +44,7 @@ class Sequence:
         is_eos = token_id in self.eos_token_ids and not self.params.ignore_eos
         if may_stop and (is_eos or token_id in self.params.stop_token_ids):
             self.finish_reason = "stop"
-            return self._release(self._pending)
+            return self._release(self._pending + self._detok.flush())
         self._pending += self._detok.add(token_id)
         if may_stop and self.params.stop:
             cut = _first_stop(self._pending, self.params.stop)
@@ -53,7 +53,7 @@ class Sequence:
                 return self._release(self._pending[:cut])
         if len(self.output_ids) >= self.params.max_tokens:
             self.finish_reason = "length"
-            return self._release(self._pending)
+            return self._release(self._pending + self._detok.flush())
         keep = _partial_stop_suffix(self._pending, self.params.stop)
         return self._release(self._pending[: len(self._pending) - keep], keep)
 

@@ -4,11 +4,11 @@ import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-from pathlib import Path  # noqa: E402
+from pathlib import Path
 
-import pytest  # noqa: E402
+import pytest
 
-from jaxserve.default_model import default_model_path  # noqa: E402
+from jaxserve.default_model import default_model_path
 
 
 @pytest.fixture(scope="session")

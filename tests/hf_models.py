@@ -8,26 +8,26 @@ import transformers
 CONFIGS = {
     "llama-gqa-tied": (
         transformers.LlamaConfig,
-        dict(num_attention_heads=8, num_key_value_heads=2, tie_word_embeddings=True),
+        {"num_attention_heads": 8, "num_key_value_heads": 2, "tie_word_embeddings": True},
     ),
     "llama3-rope-scaling": (
         transformers.LlamaConfig,
-        dict(
-            num_attention_heads=4,
-            num_key_value_heads=4,
-            rope_theta=500000.0,
-            rope_scaling=dict(
-                rope_type="llama3",
-                factor=8.0,
-                low_freq_factor=1.0,
-                high_freq_factor=4.0,
-                original_max_position_embeddings=64,
-            ),
-        ),
+        {
+            "num_attention_heads": 4,
+            "num_key_value_heads": 4,
+            "rope_theta": 500000.0,
+            "rope_scaling": {
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
+        },
     ),
     "qwen2-bias": (
         transformers.Qwen2Config,
-        dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False),
+        {"num_attention_heads": 4, "num_key_value_heads": 2, "tie_word_embeddings": False},
     ),
 }
 

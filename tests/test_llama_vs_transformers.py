@@ -4,13 +4,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
+from flax import nnx
 from hf_models import CONFIGS, save_random_model
 
 from jaxserve.batch import Chunk, pack_step
 from jaxserve.kv_cache import init_kv_cache
 from jaxserve.step import forward
 from jaxserve.weights import load_model, open_checkpoint
-from flax import nnx
 
 PAGE_SIZE = 4
 

@@ -1,7 +1,7 @@
 """Model definitions; importing this package registers the built-in architectures."""
 
-from jaxserve.models import llama  # noqa: F401  (registers llama, mistral, qwen2)
 from jaxserve.attention import AttentionMetadata
+from jaxserve.models import llama  # noqa: F401  (registers llama, mistral, qwen2)
 from jaxserve.models.interface import (
     ModelSpec,
     WeightRule,

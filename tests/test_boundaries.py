@@ -1,0 +1,50 @@
+"""The architecture's import boundaries (STYLE.md), and ruff, hold over the whole tree."""
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def imported_modules(path: Path) -> set[str]:
+    tree = ast.parse(path.read_text())
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names.add(node.module)
+    return names
+
+
+def files(folder: str) -> list[Path]:
+    return sorted((ROOT / folder).rglob("*.py"))
+
+
+@pytest.mark.parametrize("path", files("jaxserve/pallas_kernels"), ids=lambda p: p.name)
+def test_kernels_import_jax_and_numpy_only(path):
+    roots = {name.split(".")[0] for name in imported_modules(path)}
+    assert roots <= {"jax", "numpy", "functools", "math", "dataclasses", "__future__"}, roots
+
+
+@pytest.mark.parametrize("path", files("jaxserve/models"), ids=lambda p: p.name)
+def test_models_know_nothing_of_requests(path):
+    forbidden = ("jaxserve.scheduler", "jaxserve.engine", "jaxserve.sequence", "server")
+    assert not [m for m in imported_modules(path) if m.startswith(forbidden)]
+
+
+@pytest.mark.parametrize("path", files("server"), ids=lambda p: p.name)
+def test_server_does_not_touch_jax(path):
+    assert not [m for m in imported_modules(path) if m.split(".")[0] in ("jax", "flax")]
+
+
+def test_ruff_is_clean():
+    result = subprocess.run(
+        [sys.executable, "-m", "ruff", "check", "jaxserve", "server", "tests", "bench"],
+        cwd=ROOT, capture_output=True, text=True,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
