@@ -17,13 +17,16 @@ from jaxserve.pallas_kernels.reference import ragged_paged_attention_reference
 class AttentionMetadata:
     """Where each token of the flat batch reads and writes the paged KV cache.
 
-    Padding tokens belong to a padding row whose page table points only at the
-    reserved null page 0, and write their K/V there.
+    A row's tokens are the last of its kv_len tokens, so the flat batch mixes prefill
+    chunks and decodes. Padding tokens (from cu_q_lens[-1] on) belong to the last
+    row, whose pages are all the reserved null page 0, and write their K/V there.
     """
 
-    seq_ids: jax.Array  # i32[num_tokens] batch row (slot) of each token
+    seq_ids: jax.Array  # i32[num_tokens] row of each token; padding -> the last, null row
     slot_mapping: jax.Array  # i32[num_tokens] page * page_size + offset to write each token's K/V
-    page_table: jax.Array  # i32[num_seqs, max_pages_per_seq] pages of each row, in order
+    page_table: jax.Array  # i32[num_rows, max_pages_per_seq] pages of each row, in order
+    cu_q_lens: jax.Array  # i32[num_rows + 1] row r's tokens are [cu_q_lens[r], cu_q_lens[r+1])
+    kv_lens: jax.Array  # i32[num_rows] tokens in each row's cache after this step
     logits_indices: jax.Array  # i32[num_logits] tokens whose logits the model returns
 
 

@@ -46,6 +46,8 @@ def pack_step(
     seq_ids = np.full(num_tokens, pad_row, np.int32)
     slot_mapping = np.full(num_tokens, NULL_PAGE * page_size, np.int32)
     page_table = np.full((num_seqs + 1, max_pages), NULL_PAGE, np.int32)
+    cu_q_lens = np.zeros(num_seqs + 2, np.int32)
+    kv_lens = np.zeros(num_seqs + 1, np.int32)
     logits_indices = np.zeros(num_seqs, np.int32)
     offset = 0
     for row, chunk in enumerate(chunks):
@@ -64,7 +66,9 @@ def pack_step(
         slot_mapping[span] = pages[pos // page_size] * page_size + pos % page_size
         page_table[row, : len(pages)] = pages
         logits_indices[row] = offset + n - 1
+        kv_lens[row] = chunk.start + n
         offset += n
+        cu_q_lens[row + 1 :] = offset
     padding = [Chunk((), 0, ())] * (num_seqs - len(chunks))
     rows = list(chunks) + padding
     sampling = SamplingTensors.from_rows(
@@ -74,5 +78,7 @@ def pack_step(
         seeds=[c.seed for c in rows],
         counters=[c.num_generated for c in rows],
     )
-    metadata = AttentionMetadata(seq_ids, slot_mapping, page_table, logits_indices)
+    metadata = AttentionMetadata(
+        seq_ids, slot_mapping, page_table, cu_q_lens, kv_lens, logits_indices
+    )
     return StepInputs(token_ids, positions, metadata, sampling)

@@ -1,5 +1,9 @@
 """The paged KV cache on the device: one pool of fixed-size pages for every layer.
 
+Head-major layout, [layer, kv_head, page, slot, head_dim]: one head's page is a
+contiguous [page_size, head_dim] tile, which is what an attention kernel loads,
+and KV heads are the axis that tensor parallelism shards.
+
 Page 0 is a reserved null page: padding rows point at it and write into it, so
 no real page is ever touched by padding.
 """
@@ -17,16 +21,16 @@ NULL_PAGE = 0
 class KVCache:
     """Keys and values of every layer, paged. Donated to the step and updated in place."""
 
-    k: jax.Array  # f32[num_layers, num_pages, page_size, num_kv_heads, head_dim]
-    v: jax.Array  # f32[num_layers, num_pages, page_size, num_kv_heads, head_dim]
+    k: jax.Array  # f32[num_layers, num_kv_heads, num_pages, page_size, head_dim]
+    v: jax.Array  # f32[num_layers, num_kv_heads, num_pages, page_size, head_dim]
 
     @property
     def page_size(self) -> int:
-        return self.k.shape[2]
+        return self.k.shape[3]
 
     @property
     def num_pages(self) -> int:
-        return self.k.shape[1]
+        return self.k.shape[2]
 
 
 def init_kv_cache(
@@ -38,7 +42,7 @@ def init_kv_cache(
     dtype: jnp.dtype = jnp.float32,
 ) -> KVCache:
     """Allocate a zeroed pool; `num_pages` counts the null page."""
-    shape = (num_layers, num_pages, page_size, num_kv_heads, head_dim)
+    shape = (num_layers, num_kv_heads, num_pages, page_size, head_dim)
     return KVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
 
 
@@ -52,7 +56,8 @@ def write_kv(
     """Scatter this step's new keys and values into their pages (in place under donation)."""
     pages = slot_mapping // cache.page_size
     offsets = slot_mapping % cache.page_size
+    # the advanced indices (layer, pages, offsets) around the head slice put tokens first
     return KVCache(
-        k=cache.k.at[layer, pages, offsets].set(k.astype(cache.k.dtype)),
-        v=cache.v.at[layer, pages, offsets].set(v.astype(cache.v.dtype)),
+        k=cache.k.at[layer, :, pages, offsets].set(k.astype(cache.k.dtype)),
+        v=cache.v.at[layer, :, pages, offsets].set(v.astype(cache.v.dtype)),
     )

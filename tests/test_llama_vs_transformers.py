@@ -1,5 +1,7 @@
 """The Llama-family model against Hugging Face transformers on the same weights."""
 
+import dataclasses
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -35,11 +37,8 @@ def test_prefill_and_decode_logits_match(kind, tmp_path):
 
     chunks = [Chunk(p, 0, pg) for p, pg in zip(prompts, pages)]
     inputs = pack_step(chunks, PAGE_SIZE, num_tokens=32, num_seqs=4, max_pages=8)
-    all_tokens = np.arange(sum(len(p) for p in prompts))
-    meta = inputs.metadata.__class__(
-        inputs.metadata.seq_ids, inputs.metadata.slot_mapping, inputs.metadata.page_table,
-        np.asarray(all_tokens, np.int32),
-    )
+    all_tokens = np.arange(sum(len(p) for p in prompts), dtype=np.int32)
+    meta = dataclasses.replace(inputs.metadata, logits_indices=all_tokens)
     logits, kv = forward(graphdef, state, kv, inputs.token_ids, inputs.positions, meta)
     want = np.concatenate([hf_logits(hf, p) for p in prompts])
     np.testing.assert_allclose(np.asarray(logits), want, atol=1e-4, rtol=0)

@@ -1,5 +1,7 @@
 """SmolLM2-135M-Instruct from its GGUF file, on both sides: greedy tokens must be identical."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -48,12 +50,8 @@ def test_prompt_logits_match(llm, hf_model):
 
     ids = llm.tokenizer.encode(PROMPTS[2])
     inputs = pack_step([Chunk(ids, 0, [1, 2])], llm.page_size, 16, 1, 2)
-    meta = inputs.metadata.__class__(
-        inputs.metadata.seq_ids,
-        inputs.metadata.slot_mapping,
-        inputs.metadata.page_table,
-        np.arange(len(ids), dtype=np.int32),
-    )
+    every_token = np.arange(len(ids), dtype=np.int32)
+    meta = dataclasses.replace(inputs.metadata, logits_indices=every_token)
     logits, llm.kv_cache = forward(
         llm.graphdef, llm.state, llm.kv_cache, inputs.token_ids, inputs.positions, meta
     )
