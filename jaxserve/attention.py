@@ -1,15 +1,29 @@
-"""The one entry point through which models call paged attention.
+"""The one entry point through which models call paged attention, and its backend choice.
 
-For now every backend runs the pure-jnp reference; the Pallas kernels plug in
-here, chosen once by platform, so model code never changes.
+Backends: "pallas" (the Pallas kernels; GPU/TPU), "xla" (blocked jnp over pages;
+what serves on CPU, where Pallas runs only in slow interpret mode) and
+"reference" (dense, for tests). `select_backend` picks by platform unless told;
+the choice travels as a static field of the metadata, so model code never changes.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import jax
 
 from jaxserve.kv_cache import KVCache
+from jaxserve.pallas_kernels.blocked_jnp import blocked_paged_attention
 from jaxserve.pallas_kernels.reference import ragged_paged_attention_reference
+
+BACKENDS = ("pallas", "xla", "reference")
+
+
+def select_backend(requested: str | None = None) -> str:
+    """`requested` if given (validated), else Pallas on accelerators and XLA on CPU."""
+    if requested is None:
+        return "pallas" if jax.default_backend() in ("gpu", "tpu") else "xla"
+    if requested not in BACKENDS:
+        raise ValueError(f"attention backend must be one of {BACKENDS}, got {requested!r}")
+    return requested
 
 
 @jax.tree_util.register_dataclass
@@ -28,6 +42,7 @@ class AttentionMetadata:
     cu_q_lens: jax.Array  # i32[num_rows + 1] row r's tokens are [cu_q_lens[r], cu_q_lens[r+1])
     kv_lens: jax.Array  # i32[num_rows] tokens in each row's cache after this step
     logits_indices: jax.Array  # i32[num_logits] tokens whose logits the model returns
+    backend: str = field(default="xla", metadata={"static": True})
 
 
 def paged_attention(
@@ -39,12 +54,11 @@ def paged_attention(
     scale: float,
 ) -> jax.Array:  # f32[num_tokens, num_heads, head_dim]
     """Attention of each token over its own sequence's pages, this token included."""
-    return ragged_paged_attention_reference(
-        q,
-        kv_cache.k[layer],
-        kv_cache.v[layer],
-        metadata.seq_ids,
-        positions,
-        metadata.page_table,
-        scale,
-    )
+    k_pages, v_pages = kv_cache.k[layer], kv_cache.v[layer]
+    if metadata.backend == "reference":
+        attend = ragged_paged_attention_reference
+    elif metadata.backend == "xla":
+        attend = blocked_paged_attention
+    else:
+        raise NotImplementedError(f"attention backend {metadata.backend!r}")
+    return attend(q, k_pages, v_pages, metadata.seq_ids, positions, metadata.page_table, scale)

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from jaxserve.attention import AttentionMetadata
-from jaxserve.kv_cache import NULL_PAGE
+from jaxserve.page_allocator import NULL_PAGE
 from jaxserve.sampling import SamplingTensors
 from jaxserve.step import StepInputs
 

@@ -13,8 +13,6 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
-NULL_PAGE = 0
-
 
 @jax.tree_util.register_dataclass
 @dataclass(frozen=True, slots=True)

@@ -18,8 +18,9 @@ from flax import nnx
 from jaxserve.batch import Chunk, pack_step
 from jaxserve.config import SamplingParams
 from jaxserve.default_model import default_model_path
-from jaxserve.kv_cache import NULL_PAGE, init_kv_cache
+from jaxserve.kv_cache import init_kv_cache
 from jaxserve.loader import load
+from jaxserve.page_allocator import NULL_PAGE
 from jaxserve.sequence import Sequence
 from jaxserve.step import step
 
