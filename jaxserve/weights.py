@@ -8,8 +8,9 @@ weight map per architecture serves both. GGUF tensors are dequantized with the
 
 import json
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import jax.numpy as jnp
 import numpy as np
@@ -25,6 +26,8 @@ class WeightsError(ValueError):
 
 # GGUF quantization types dequantized here (the ones real Llama-family files use).
 GGUF_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K")
+# safetensors dtypes read here; numpy knows BF16 through ml_dtypes, which jax registers
+SAFETENSORS_DTYPES = ("F64", "F32", "F16", "BF16")
 
 _GGUF_GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -54,6 +57,8 @@ class Checkpoint:
     path: Path
     config: ModelConfig
     tensors: Mapping[str, Callable[[], np.ndarray]]
+    # the file's own tensor names where they differ (GGUF), so messages name what the file has
+    file_names: Mapping[str, str] = field(default_factory=dict)
 
 
 # ---------------------------------------------------------------- Hugging Face
@@ -61,13 +66,21 @@ class Checkpoint:
 
 def config_from_hf(raw: dict, source: str = "config.json") -> ModelConfig:
     """A ModelConfig from a Hugging Face config.json dict."""
+
+    def key(name: str, kind: type = int, default: Any = None) -> Any:
+        value = raw.get(name)
+        if value is None and default is None:
+            raise WeightsError(f"{source}: missing key {name!r}")
+        return default if value is None else _typed(value, kind, name, source)
+
     try:
-        model_type = raw["model_type"]
-        num_heads = raw["num_attention_heads"]
-        hidden = raw["hidden_size"]
+        model_type = key("model_type", str)
+        get_model_spec_or_raise(model_type, source)
+        num_heads = key("num_attention_heads")
+        hidden = key("hidden_size")
         # transformers 5 writes `rope_parameters` (theta inside); older files `rope_scaling`
         rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
-        rope_theta = raw.get("rope_theta", rope.get("rope_theta", 10000.0))
+        rope_theta = key("rope_theta", float, rope.get("rope_theta", 10000.0))
         rope_scaling = None
         kind = rope.get("rope_type", rope.get("type", "default"))
         if kind == "llama3":
@@ -80,26 +93,47 @@ def config_from_hf(raw: dict, source: str = "config.json") -> ModelConfig:
         elif kind != "default":
             raise WeightsError(f"{source}: unsupported rope_scaling type {kind!r}")
         eos = raw.get("eos_token_id")
-        return ModelConfig(
+        return _model_config(
+            source,
             architecture=model_type,
-            vocab_size=raw["vocab_size"],
+            vocab_size=key("vocab_size"),
             hidden_size=hidden,
-            intermediate_size=raw["intermediate_size"],
-            num_layers=raw["num_hidden_layers"],
+            intermediate_size=key("intermediate_size"),
+            num_layers=key("num_hidden_layers"),
             num_heads=num_heads,
-            num_kv_heads=raw.get("num_key_value_heads") or num_heads,
-            head_dim=raw.get("head_dim") or hidden // num_heads,
-            rope_theta=float(rope_theta),
+            num_kv_heads=key("num_key_value_heads", int, num_heads),
+            head_dim=key("head_dim", int, hidden // num_heads),
+            rope_theta=rope_theta,
             rope_scaling=rope_scaling,
-            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-            max_position_embeddings=raw.get("max_position_embeddings", 2048),
+            rms_norm_eps=key("rms_norm_eps", float, 1e-6),
+            max_position_embeddings=key("max_position_embeddings", int, 2048),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             attention_bias=model_type == "qwen2" or bool(raw.get("attention_bias", False)),
             bos_token_id=raw.get("bos_token_id"),
             eos_token_ids=tuple(eos if isinstance(eos, list) else [] if eos is None else [eos]),
         )
-    except KeyError as e:
+    except KeyError as e:  # inside rope_scaling
         raise WeightsError(f"{source}: missing key {e.args[0]!r}") from None
+
+
+def _typed(value: object, kind: type, key: str, source: str) -> Any:
+    """`value` as `kind`, or a WeightsError naming the key; a value that `kind` would change
+    (2.5 as int, "64" as int) is refused rather than silently converted."""
+    try:
+        converted = kind(value)
+    except (TypeError, ValueError):
+        converted = None
+    if converted is None or converted != value:
+        raise WeightsError(f"{source}: key {key!r} is {value!r}, expected {kind.__name__}")
+    return converted
+
+
+def _model_config(source: str, **fields: Any) -> ModelConfig:
+    """ModelConfig(**fields), its own checks (head counts) reported against `source`."""
+    try:
+        return ModelConfig(**fields)
+    except ValueError as e:
+        raise WeightsError(f"{source}: {e}") from None
 
 
 def open_hf_dir(path: Path) -> Checkpoint:
@@ -110,9 +144,12 @@ def open_hf_dir(path: Path) -> Checkpoint:
     if not config_file.exists():
         raise WeightsError(f"{path}: no config.json (not a Hugging Face model directory)")
     try:
-        config = config_from_hf(json.loads(config_file.read_text()), str(config_file))
+        raw = json.loads(config_file.read_text())
     except json.JSONDecodeError as e:
         raise WeightsError(f"{config_file}: invalid JSON ({e})") from None
+    if not isinstance(raw, dict):
+        raise WeightsError(f"{config_file}: expected a JSON object, got {type(raw).__name__}")
+    config = config_from_hf(raw, str(config_file))
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise WeightsError(f"{path}: no *.safetensors files")
@@ -121,7 +158,7 @@ def open_hf_dir(path: Path) -> Checkpoint:
         try:
             with safe_open(file, framework="numpy") as f:
                 names = list(f.keys())
-        except Exception as e:  # safetensors raises its own error types
+        except Exception as e:  # noqa: BLE001 (safetensors raises its own error types)
             raise WeightsError(f"{file}: unreadable safetensors file ({e})") from None
         for name in names:
             loaders[name] = _safetensors_loader(file, name)
@@ -133,6 +170,12 @@ def _safetensors_loader(file: Path, name: str) -> Callable[[], np.ndarray]:
         from safetensors import safe_open
 
         with safe_open(file, framework="numpy") as f:
+            dtype = f.get_slice(name).get_dtype()
+            if dtype not in SAFETENSORS_DTYPES:
+                raise WeightsError(
+                    f"{file}: tensor {name!r} has unsupported dtype {dtype}; "
+                    f"supported: {', '.join(SAFETENSORS_DTYPES)}"
+                )
             return f.get_tensor(name)
 
     return load
@@ -150,27 +193,32 @@ def config_from_gguf(
         raise WeightsError(f"{source}: missing key 'general.architecture'")
     get_model_spec_or_raise(str(arch), source)
 
-    def key(name: str, default: object = None) -> object:
+    def key(name: str, kind: type = int, default: Any = None) -> Any:
         value = fields.get(f"{arch}.{name}", default)
         if value is None:
             raise WeightsError(f"{source}: missing key '{arch}.{name}'")
-        return value
+        return _typed(value, kind, f"{arch}.{name}", source)
 
-    num_heads = int(key("attention.head_count"))
-    hidden = int(key("embedding_length"))
+    num_heads = key("attention.head_count")
+    hidden = key("embedding_length")
+    if not vocab_size and f"{arch}.vocab_size" not in fields:
+        raise WeightsError(
+            f"{source}: missing key '{arch}.vocab_size' (or 'tokenizer.ggml.tokens')"
+        )
     eos = fields.get("tokenizer.ggml.eos_token_id")
-    return ModelConfig(
+    return _model_config(
+        source,
         architecture=str(arch),
-        vocab_size=int(fields.get(f"{arch}.vocab_size") or vocab_size),
+        vocab_size=key("vocab_size", int, vocab_size),
         hidden_size=hidden,
-        intermediate_size=int(key("feed_forward_length")),
-        num_layers=int(key("block_count")),
+        intermediate_size=key("feed_forward_length"),
+        num_layers=key("block_count"),
         num_heads=num_heads,
-        num_kv_heads=int(key("attention.head_count_kv", num_heads)),
-        head_dim=int(key("attention.key_length", hidden // num_heads)),
-        rope_theta=float(key("rope.freq_base", 10000.0)),
-        rms_norm_eps=float(key("attention.layer_norm_rms_epsilon")),
-        max_position_embeddings=int(key("context_length", 2048)),
+        num_kv_heads=key("attention.head_count_kv", int, num_heads),
+        head_dim=key("attention.key_length", int, hidden // num_heads),
+        rope_theta=key("rope.freq_base", float, 10000.0),
+        rms_norm_eps=key("attention.layer_norm_rms_epsilon", float),
+        max_position_embeddings=key("context_length", int, 2048),
         tie_word_embeddings="output.weight" not in tensor_names,
         attention_bias=arch == "qwen2",
         bos_token_id=fields.get("tokenizer.ggml.bos_token_id"),
@@ -203,7 +251,7 @@ def open_gguf(path: Path) -> Checkpoint:
 
     try:
         reader = gguf.GGUFReader(path)
-    except Exception as e:  # gguf raises ValueError/struct errors on bad files
+    except Exception as e:  # noqa: BLE001 (gguf raises ValueError, struct.error, ...)
         raise WeightsError(f"{path}: not a readable GGUF file ({e})") from None
     tensor_names = {t.name for t in reader.tensors}
     tokens = reader.fields.get("tokenizer.ggml.tokens")
@@ -226,7 +274,11 @@ def open_gguf(path: Path) -> Checkpoint:
         elif permute and hf_name.endswith(("k_proj.weight", "k_proj.bias")):
             heads = config.num_kv_heads
         loaders[hf_name] = _gguf_loader(path, tensor, heads)
-    return Checkpoint(path, config, loaders)
+    file_names = {hf: name for name, hf in _GGUF_GLOBAL_NAMES.items()}
+    for i in range(config.num_layers):
+        for name, hf in _GGUF_LAYER_NAMES.items():
+            file_names[f"model.layers.{i}.{hf}"] = f"blk.{i}.{name}"
+    return Checkpoint(path, config, loaders, file_names)
 
 
 def _gguf_to_hf_name(name: str) -> str | None:
@@ -251,7 +303,9 @@ def _gguf_loader(path: Path, tensor, heads: int | None) -> Callable[[], np.ndarr
         array = np.asarray(quants.dequantize(tensor.data, tensor.tensor_type), np.float32)
         expected = tuple(int(n) for n in reversed(tensor.shape))
         array = array.reshape(expected)
-        return _unpermute_rows(array, heads) if heads else array
+        if heads and array.shape[0] % (2 * heads) == 0:  # else the caller reports the shape
+            array = _unpermute_rows(array, heads)
+        return array
 
     return load
 
@@ -307,12 +361,13 @@ def _assemble(
         want = want[::-1]  # as stored in the checkpoint
     arrays = []
     for name in names:
+        label = checkpoint.file_names.get(name, name)
         if name not in checkpoint.tensors:
-            raise WeightsError(f"{checkpoint.path}: missing tensor {name!r} (for {param})")
+            raise WeightsError(f"{checkpoint.path}: missing tensor {label!r} (for {param})")
         array = checkpoint.tensors[name]()
         if tuple(array.shape) != want:
             raise WeightsError(
-                f"{checkpoint.path}: tensor {name!r} has shape {tuple(array.shape)}, "
+                f"{checkpoint.path}: tensor {label!r} has shape {tuple(array.shape)}, "
                 f"expected {want} (for {param})"
             )
         arrays.append(array.T if rule.transpose else array)

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
 from jaxserve.attention import AttentionMetadata
@@ -56,7 +57,7 @@ class WeightRule:
 class ModelSpec:
     """How to build one architecture and where its weights come from."""
 
-    build: Callable[[ModelConfig, nnx.Rngs], nnx.Module]
+    build: Callable[[ModelConfig, nnx.Rngs, jnp.dtype], nnx.Module]  # (config, rngs, dtype)
     # parameter path ("layers/q_proj") -> rule, for a given config
     weight_map: Callable[[ModelConfig], dict[str, WeightRule]]
 
