@@ -31,7 +31,12 @@ class Chunk:
 
 
 def pack_step(
-    chunks: Sequence[Chunk], page_size: int, num_tokens: int, num_seqs: int, max_pages: int
+    chunks: Sequence[Chunk],
+    page_size: int,
+    num_tokens: int,
+    num_seqs: int,
+    max_pages: int,
+    attention_backend: str = "xla",
 ) -> StepInputs:
     """Host arrays for one step, padded to (num_tokens, num_seqs); logits at each chunk's end."""
     total = sum(len(c.token_ids) for c in chunks)
@@ -79,6 +84,6 @@ def pack_step(
         counters=[c.num_generated for c in rows],
     )
     metadata = AttentionMetadata(
-        seq_ids, slot_mapping, page_table, cu_q_lens, kv_lens, logits_indices
+        seq_ids, slot_mapping, page_table, cu_q_lens, kv_lens, logits_indices, attention_backend
     )
     return StepInputs(token_ids, positions, metadata, sampling)

@@ -81,9 +81,24 @@ class SamplingParams:
 
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
-    """Sizes of the KV page pool and the batch; what the runner allocates once."""
+    """Sizes of the KV page pool, the batch and the step; what the engine allocates once."""
 
     page_size: int = 16
-    num_pages: int = 512
-    max_batch: int = 16
+    num_pages: int = 1024  # including the reserved null page
+    max_batch: int = 16  # rows in the running batch (lowered by tpot_slo_ms when set)
+    token_budget: int = 512  # tokens a step computes: decodes plus prefill chunks
+    max_model_len: int | None = None  # None: the model's context, capped by the pool
     dtype: str = "float32"  # f32 serves fastest on CPU; bf16 on accelerators
+    attention_backend: str | None = None  # None: by platform (see attention.select_backend)
+    tpot_slo_ms: float | None = None
+    compilation_cache_dir: str | None = None
+    stream_capacity: int = 64  # outputs buffered per request before it is cancelled
+    debug_checks: bool = False  # verify page ownership every step (tests turn it on)
+
+    def __post_init__(self) -> None:
+        if self.page_size < 1 or self.num_pages < 2:
+            raise ValueError("page_size must be >= 1 and num_pages >= 2")
+        if self.max_batch < 1 or self.token_budget < self.max_batch:
+            raise ValueError(
+                f"need 1 <= max_batch ({self.max_batch}) <= token_budget ({self.token_budget})"
+            )

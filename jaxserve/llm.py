@@ -1,28 +1,24 @@
-"""The offline API: `LLM(model=...).generate(prompts, SamplingParams(...))`.
+"""The offline API: `LLM(model=...).generate(prompts, SamplingParams(...))`, on the engine.
 
-Prompts are generated in static batches of up to `max_batch`: one prefill of
-every prompt, then one decode step per token until all have stopped. Each
-sequence holds its own run of pages in the paged KV cache.
+`LLM` also builds the engine the server runs: model, tokenizer, page allocator,
+scheduler and runner from one EngineConfig.
 """
 
 import random
-from collections.abc import Sequence as Seq
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-import jax
 import jax.numpy as jnp
-import numpy as np
-from flax import nnx
 
-from jaxserve.batch import Chunk, pack_step
-from jaxserve.config import SamplingParams
+from jaxserve.buckets import BucketTable
+from jaxserve.config import EngineConfig, SamplingParams
 from jaxserve.default_model import default_model_path
-from jaxserve.kv_cache import init_kv_cache
+from jaxserve.engine import Engine
 from jaxserve.loader import load
-from jaxserve.page_allocator import NULL_PAGE
-from jaxserve.sequence import Sequence
-from jaxserve.step import step
+from jaxserve.page_allocator import PageAllocator
+from jaxserve.runner import ModelRunner, enable_compilation_cache
+from jaxserve.scheduler import Scheduler
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,64 +32,63 @@ class CompletionOutput:
     finish_reason: str
 
 
-def _next_power_of_two(n: int) -> int:
-    return 1 << max(0, n - 1).bit_length()
-
-
 class LLM:
-    """A model, its tokenizer and a KV page pool, ready to generate."""
+    """A model and its tokenizer behind a continuous-batching engine."""
 
     def __init__(
         self,
         model: str | Path | None = None,
+        config: EngineConfig | None = None,
         *,
-        max_batch: int = 16,
-        page_size: int = 16,
-        num_pages: int = 1024,
-        dtype: str = "float32",
+        warmup: bool = False,
+        **overrides,
     ):
+        """`overrides` are EngineConfig fields (e.g. `max_batch=8, num_pages=256`)."""
+        self.engine_config = config or EngineConfig(**overrides)
+        if config is not None and overrides:
+            raise TypeError("pass either config or EngineConfig fields, not both")
+        cfg = self.engine_config
+        if cfg.compilation_cache_dir:
+            enable_compilation_cache(cfg.compilation_cache_dir)
         self.model_path = Path(model) if model is not None else default_model_path()
-        module, self.tokenizer = load(self.model_path, jnp.dtype(dtype))
+        module, self.tokenizer = load(self.model_path, jnp.dtype(cfg.dtype))
         self.config = module.config
-        self.graphdef, self.state = nnx.split(module)
-        self.max_batch = max_batch
-        self.page_size = page_size
-        self.kv_cache = init_kv_cache(
-            self.config.num_layers,
-            self.config.num_kv_heads,
-            self.config.head_dim,
-            num_pages,
-            page_size,
-            jnp.dtype(dtype),
+        max_model_len = min(
+            cfg.max_model_len or self.config.max_position_embeddings,
+            (cfg.num_pages - 1) * cfg.page_size,
+        )
+        buckets = BucketTable.for_limits(cfg.max_batch, cfg.token_budget)
+        self.runner = ModelRunner(
+            module,
+            buckets,
+            cfg.num_pages,
+            cfg.page_size,
+            max_model_len,
+            cfg.attention_backend,
+            jnp.dtype(cfg.dtype),
+        )
+        max_batch = cfg.max_batch
+        if warmup:
+            self.runner.warmup()
+            if cfg.tpot_slo_ms is not None:
+                max_batch = max(1, self.runner.max_batch_under(cfg.tpot_slo_ms / 1000))
+        self.scheduler = Scheduler(
+            PageAllocator(cfg.num_pages),
+            buckets,
+            cfg.page_size,
+            max_batch,
+            max_model_len,
+            cfg.token_budget,
+        )
+        eos = self.config.eos_token_ids or self.tokenizer.eos_token_ids
+        self.engine = Engine(
+            self.runner, self.scheduler, self.tokenizer, eos, cfg.stream_capacity,
+            debug_checks=cfg.debug_checks,
         )
         self._seed_rng = random.Random()
 
-    def generate(
-        self,
-        prompts: str | list[int] | Seq[str | list[int]],
-        sampling_params: SamplingParams | None = None,
-    ) -> list[CompletionOutput]:
-        """Complete each prompt (a string or a list of token ids)."""
-        params = sampling_params or SamplingParams()
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        encoded = [self._encode(p) for p in prompts]
-        outputs: list[CompletionOutput] = []
-        for start in range(0, len(encoded), self.max_batch):
-            group = encoded[start : start + self.max_batch]
-            for prompt, seq in zip(prompts[start:], self._generate_batch(group, params)):
-                outputs.append(
-                    CompletionOutput(
-                        prompt=prompt if isinstance(prompt, str) else None,
-                        prompt_token_ids=seq.prompt_ids,
-                        token_ids=seq.output_ids,
-                        text=seq.text,
-                        finish_reason=seq.finish_reason,
-                    )
-                )
-        return outputs
-
-    def _encode(self, prompt: str | list[int]) -> list[int]:
+    def encode(self, prompt: str | Sequence[int]) -> list[int]:
+        """Token ids of a prompt given as text or ids; ValueError when empty or out of range."""
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if not ids:
             raise ValueError("prompt is empty")
@@ -101,63 +96,31 @@ class LLM:
             raise ValueError(f"prompt token ids must be in [0, {self.config.vocab_size})")
         return ids
 
-    def _generate_batch(self, prompts: list[list[int]], params: SamplingParams) -> list[Sequence]:
-        eos = self.config.eos_token_ids or self.tokenizer.eos_token_ids
-        seqs = [Sequence(p, params, self.tokenizer, eos) for p in prompts]
-        seeds = [
-            params.seed if params.seed is not None else self._seed_rng.getrandbits(31)
-            for _ in prompts
-        ]
-        need = [-(-(len(p) + params.max_tokens) // self.page_size) for p in prompts]
-        if sum(need) >= self.kv_cache.num_pages:
-            raise ValueError(
-                f"batch needs {sum(need)} KV pages, the pool has {self.kv_cache.num_pages - 1}"
-            )
-        first = np.cumsum([1] + need[:-1])  # page 0 is the null page
-        pages = [list(range(f, f + n)) for f, n in zip(first, need)]
-        max_pages = _next_power_of_two(max(need))
-        num_seqs = _next_power_of_two(len(seqs))
-        chunks = [
-            self._chunk(seq.prompt_ids, 0, pg, params, seed)
-            for seq, pg, seed in zip(seqs, pages, seeds)
-        ]
-        num_tokens = _next_power_of_two(sum(len(p) for p in prompts))
-        while True:
-            inputs = pack_step(chunks, self.page_size, num_tokens, num_seqs, max_pages)
-            tokens, self.kv_cache = step(self.graphdef, self.state, self.kv_cache, inputs)
-            tokens = jax.device_get(tokens)
-            for seq, token in zip(seqs, tokens):
-                if not seq.finished:
-                    seq.append(int(token))
-            if all(seq.finished for seq in seqs):
-                return seqs
-            # finished rows decode a dummy token into the null page; their output is ignored
-            chunks = [
-                Chunk([0], 0, [NULL_PAGE])
-                if seq.finished
-                else self._chunk(
-                    [seq.output_ids[-1]], seq.num_tokens - 1, pg, params, seed, len(seq.output_ids)
+    def generate(
+        self,
+        prompts: str | Sequence[int] | Sequence[str | Sequence[int]],
+        sampling_params: SamplingParams | None = None,
+    ) -> list[CompletionOutput]:
+        """Complete each prompt (a string or a list of token ids), batched continuously."""
+        params = sampling_params or SamplingParams()
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        encoded = [self.encode(p) for p in prompts]
+        streams = [self.engine.submit(ids, params) for ids in encoded]
+        while self.engine.has_work():
+            self.engine.step()
+        outputs = []
+        for prompt, ids, stream in zip(prompts, encoded, streams):
+            token_ids, text, reason = [], [], None
+            while reason is None:
+                item = stream.get(timeout=0)
+                token_ids.extend(item.token_ids)
+                text.append(item.text)
+                reason = item.finish_reason
+            outputs.append(
+                CompletionOutput(
+                    prompt if isinstance(prompt, str) else None, ids, token_ids, "".join(text),
+                    reason,
                 )
-                for seq, pg, seed in zip(seqs, pages, seeds)
-            ]
-            num_tokens = num_seqs
-
-    @staticmethod
-    def _chunk(
-        token_ids: list[int],
-        start: int,
-        pages: list[int],
-        params: SamplingParams,
-        seed: int,
-        num_generated: int = 0,
-    ) -> Chunk:
-        return Chunk(
-            token_ids,
-            start,
-            pages,
-            temperature=params.temperature,
-            top_k=params.top_k,
-            top_p=params.top_p,
-            seed=seed,
-            num_generated=num_generated,
-        )
+            )
+        return outputs

@@ -48,12 +48,13 @@ def test_prompt_logits_match(llm, hf_model):
     from jaxserve.batch import Chunk, pack_step
     from jaxserve.step import forward
 
+    runner = llm.runner
     ids = llm.tokenizer.encode(PROMPTS[2])
-    inputs = pack_step([Chunk(ids, 0, [1, 2])], llm.page_size, 16, 1, 2)
+    inputs = pack_step([Chunk(ids, 0, [1, 2])], runner.page_size, 16, 1, 2)
     every_token = np.arange(len(ids), dtype=np.int32)
     meta = dataclasses.replace(inputs.metadata, logits_indices=every_token)
-    logits, llm.kv_cache = forward(
-        llm.graphdef, llm.state, llm.kv_cache, inputs.token_ids, inputs.positions, meta
+    logits, runner.kv_cache = forward(
+        runner.graphdef, runner.state, runner.kv_cache, inputs.token_ids, inputs.positions, meta
     )
     with torch.no_grad():
         want = hf_model(torch.tensor([ids])).logits[0].numpy()

@@ -1,0 +1,53 @@
+"""The bucket table: the only shapes the step is ever compiled for.
+
+A bucket is a (num_tokens, num_seqs) pair. The scheduler pads every batch up to
+the smallest bucket that holds it, so XLA never compiles while serving.
+"""
+
+from dataclasses import dataclass
+
+
+def powers_of_two(low: int, high: int) -> tuple[int, ...]:
+    """low, 2·low, 4·low … up to and including the first value ≥ high."""
+    sizes, n = [], max(1, low)
+    while True:
+        sizes.append(n)
+        if n >= high:
+            return tuple(sizes)
+        n *= 2
+
+
+@dataclass(frozen=True, slots=True)
+class BucketTable:
+    """Token-count and row-count sizes; every (tokens ≥ rows) pair is a bucket."""
+
+    token_sizes: tuple[int, ...]
+    seq_sizes: tuple[int, ...]
+
+    @staticmethod
+    def for_limits(max_batch: int, token_budget: int, min_tokens: int = 1) -> "BucketTable":
+        """Powers of two covering up to `max_batch` rows and `token_budget` tokens a step."""
+        return BucketTable(powers_of_two(min_tokens, token_budget), powers_of_two(1, max_batch))
+
+    @property
+    def max_tokens(self) -> int:
+        return self.token_sizes[-1]
+
+    @property
+    def max_seqs(self) -> int:
+        return self.seq_sizes[-1]
+
+    def buckets(self) -> list[tuple[int, int]]:
+        """Every (num_tokens, num_seqs) shape to compile, smallest first."""
+        return [(t, s) for s in self.seq_sizes for t in self.token_sizes if t >= s]
+
+    def choose(self, num_tokens: int, num_seqs: int) -> tuple[int, int]:
+        """The smallest bucket holding `num_tokens` tokens in `num_seqs` rows."""
+        seqs = next((s for s in self.seq_sizes if s >= num_seqs), None)
+        tokens = next((t for t in self.token_sizes if t >= max(num_tokens, seqs or 0)), None)
+        if seqs is None or tokens is None:
+            raise ValueError(
+                f"no bucket holds {num_tokens} tokens in {num_seqs} rows "
+                f"(largest: {self.max_tokens} tokens, {self.max_seqs} rows)"
+            )
+        return tokens, seqs

@@ -1,0 +1,148 @@
+"""The device side of the engine: weights, the KV pool and the jitted step over buckets.
+
+Every bucket is compiled at warm-up, with jax's persistent compilation cache so a
+second start is fast. Backend compiles are counted through jax.monitoring; one
+after warm-up means a shape escaped the bucket table, and is logged as an error.
+"""
+
+import logging
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxserve.attention import select_backend
+from jaxserve.batch import Chunk, pack_step
+from jaxserve.buckets import BucketTable
+from jaxserve.kv_cache import init_kv_cache
+from jaxserve.page_allocator import NULL_PAGE
+from jaxserve.scheduler import SchedulerOutput
+from jaxserve.step import step
+
+log = logging.getLogger(__name__)
+
+_BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+
+
+class CompileCounter:
+    """Counts XLA backend compiles in this process (all threads)."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self._lock = threading.Lock()
+        jax.monitoring.register_event_duration_secs_listener(self._on_event)
+
+    def _on_event(self, event: str, duration: float, **kwargs) -> None:
+        if event == _BACKEND_COMPILE_EVENT:
+            with self._lock:
+                self.count += 1
+
+
+_COMPILES = CompileCounter()
+
+
+def enable_compilation_cache(directory: str | Path) -> None:
+    """Persist compiled executables under `directory` (every entry, however quick)."""
+    jax.config.update("jax_compilation_cache_dir", str(directory))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+class ModelRunner:
+    """Runs scheduler outputs on the model; the engine's Runner."""
+
+    def __init__(
+        self,
+        model: nnx.Module,
+        buckets: BucketTable,
+        num_pages: int,
+        page_size: int,
+        max_model_len: int,
+        attention_backend: str | None = None,
+        dtype: jnp.dtype = jnp.float32,
+    ):
+        cfg = model.config
+        self.graphdef, self.state = nnx.split(model)
+        self.buckets = buckets
+        self.page_size = page_size
+        self.max_pages = -(-max_model_len // page_size)
+        self.backend = select_backend(attention_backend)
+        self.kv_cache = init_kv_cache(
+            cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, num_pages, page_size, dtype
+        )
+        self.step_times: dict[tuple[int, int], float] = {}  # bucket -> median seconds
+        self.warm = False
+        self.compiles_after_warmup = 0
+
+    def execute(self, out: SchedulerOutput) -> Sequence[int]:
+        chunks = [
+            Chunk(
+                c.token_ids,
+                c.start,
+                c.seq.pages,
+                temperature=c.seq.request.params.temperature,
+                top_k=c.seq.request.params.top_k,
+                top_p=c.seq.request.params.top_p,
+                seed=c.seq.request.seed,
+                num_generated=c.seq.num_generated,
+            )
+            for c in out.chunks
+        ]
+        return self._run(chunks, out.bucket)
+
+    def _run(self, chunks: list[Chunk], bucket: tuple[int, int]) -> np.ndarray:
+        num_tokens, num_seqs = bucket
+        inputs = pack_step(
+            chunks, self.page_size, num_tokens, num_seqs, self.max_pages, self.backend
+        )
+        before = _COMPILES.count
+        tokens, self.kv_cache = step(self.graphdef, self.state, self.kv_cache, inputs)
+        tokens = np.asarray(jax.device_get(tokens))
+        if self.warm and _COMPILES.count > before:
+            self.compiles_after_warmup += _COMPILES.count - before
+            log.error("compiled while serving: bucket %s (a shape outside the table)", bucket)
+        return tokens
+
+    def warmup(self, repeats: int = 3) -> dict[tuple[int, int], float]:
+        """Compile and time every bucket on dummy inputs that touch only the null page.
+
+        The dummy rows sit at the end of the longest context, so the measured step
+        times are the worst case that the TPOT bound needs.
+        """
+        buckets = self.buckets.buckets()
+        show = sys.stderr.isatty()
+        context = self.max_pages * self.page_size
+        for i, (num_tokens, num_seqs) in enumerate(buckets):
+            n = num_tokens // num_seqs
+            dummy = [Chunk([0] * n, context - n, [NULL_PAGE] * self.max_pages)] * num_seqs
+            self._run(dummy, (num_tokens, num_seqs))  # compile
+            times = []
+            for _ in range(repeats):
+                start = time.perf_counter()
+                self._run(dummy, (num_tokens, num_seqs))
+                times.append(time.perf_counter() - start)
+            self.step_times[(num_tokens, num_seqs)] = float(np.median(times))
+            if show:
+                print(
+                    f"\rwarm-up: {i + 1}/{len(buckets)} buckets compiled",
+                    end="" if i + 1 < len(buckets) else "\n",
+                    file=sys.stderr,
+                    flush=True,
+                )
+        self.warm = True
+        return self.step_times
+
+    def max_batch_under(self, tpot_slo_s: float, fraction: float = 0.6) -> int:
+        """Largest row count whose slowest bucket stays under `fraction` of the TPOT SLO."""
+        best = 0
+        for seqs in self.buckets.seq_sizes:
+            worst = max(t for (_, s), t in self.step_times.items() if s == seqs)
+            if worst <= fraction * tpot_slo_s:
+                best = seqs
+        return best

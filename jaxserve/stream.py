@@ -1,0 +1,83 @@
+"""A bounded buffer of one request's outputs, between the engine thread and its consumer.
+
+The engine only ever calls `push`, which never blocks: when the buffer is full it
+returns False and the engine cancels that request alone. Consumers read with a
+blocking `get` (threads) or `async for` (asyncio; the engine wakes the loop with
+`call_soon_threadsafe`).
+"""
+
+import asyncio
+import threading
+from collections import deque
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class RequestOutput:
+    """What one step produced for one request."""
+
+    request_id: str
+    token_ids: tuple[int, ...]  # new tokens this step
+    text: str  # new text released this step
+    finish_reason: str | None = None  # "stop", "length", "abort" or an error message kind
+    num_prompt_tokens: int = 0
+    error: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class OutputStream:
+    """Bounded FIFO of RequestOutput; the last item pushed has `finished` set."""
+
+    def __init__(self, request_id: str, capacity: int = 64):
+        self.request_id = request_id
+        self.capacity = capacity
+        self._items: deque[RequestOutput] = deque()
+        self._lock = threading.Lock()
+        self._ready = threading.Condition(self._lock)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._async_ready: asyncio.Event | None = None
+        self._finished_read = False  # the consumer has taken the final item
+
+    def bind_loop(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Deliver to asyncio consumers on `loop` (call from that loop, before reading)."""
+        self._loop = loop
+        self._async_ready = asyncio.Event()
+
+    def push(self, item: RequestOutput, force: bool = False) -> bool:
+        """Append without blocking; False if full (a final item may `force` its way in)."""
+        with self._lock:
+            if len(self._items) >= self.capacity and not force:
+                return False
+            self._items.append(item)
+            self._ready.notify_all()
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._async_ready.set)
+        return True
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def get(self, timeout: float | None = None) -> RequestOutput:
+        """Next item, waiting up to `timeout` seconds (TimeoutError after)."""
+        with self._ready:
+            if not self._ready.wait_for(lambda: self._items, timeout):
+                raise TimeoutError(f"no output for {self.request_id} in {timeout}s")
+            return self._items.popleft()
+
+    def __aiter__(self) -> "OutputStream":
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        while True:
+            with self._lock:
+                if self._finished_read:
+                    raise StopAsyncIteration
+                if self._items:
+                    item = self._items.popleft()
+                    self._finished_read = item.finished
+                    return item
+                self._async_ready.clear()
+            await self._async_ready.wait()
