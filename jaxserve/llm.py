@@ -99,14 +99,21 @@ class LLM:
     def generate(
         self,
         prompts: str | Sequence[int] | Sequence[str | Sequence[int]],
-        sampling_params: SamplingParams | None = None,
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> list[CompletionOutput]:
-        """Complete each prompt (a string or a list of token ids), batched continuously."""
-        params = sampling_params or SamplingParams()
+        """Complete each prompt (a string or a list of token ids), batched continuously.
+
+        `sampling_params` is one SamplingParams for all prompts or one per prompt.
+        """
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
+        params = sampling_params or SamplingParams()
+        if isinstance(params, SamplingParams):
+            params = [params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
         encoded = [self.encode(p) for p in prompts]
-        streams = [self.engine.submit(ids, params) for ids in encoded]
+        streams = [self.engine.submit(ids, p) for ids, p in zip(encoded, params)]
         while self.engine.has_work():
             self.engine.step()
         outputs = []

@@ -47,6 +47,11 @@ class CompileCounter:
 _COMPILES = CompileCounter()
 
 
+def compile_count() -> int:
+    """XLA backend compiles so far in this process."""
+    return _COMPILES.count
+
+
 def enable_compilation_cache(directory: str | Path) -> None:
     """Persist compiled executables under `directory` (every entry, however quick)."""
     jax.config.update("jax_compilation_cache_dir", str(directory))

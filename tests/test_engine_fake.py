@@ -1,0 +1,152 @@
+"""The engine loop, step by step, on a fake model (exact, no jax)."""
+
+import pytest
+from fake_engine import EOS, make_engine
+
+from jaxserve.config import SamplingParams
+from jaxserve.request import RequestRejected
+
+
+def drain(stream) -> tuple[list[int], str, str]:
+    tokens, text, reason = [], "", None
+    while reason is None:
+        item = stream.get(timeout=0)
+        tokens += item.token_ids
+        text += item.text
+        reason = item.finish_reason
+    return tokens, text, reason
+
+
+def plan(out) -> list[tuple[str, int, tuple[int, ...]]]:
+    return [(c.seq.request_id, c.start, c.token_ids) for c in out.chunks]
+
+
+def test_admission_chunks_pages_and_frees_step_by_step():
+    engine, runner = make_engine(num_pages=9, page_size=4, max_batch=2, token_budget=8)
+    sched, alloc = engine.scheduler, engine.scheduler.allocator
+    params = SamplingParams(max_tokens=3, ignore_eos=True)
+    a = engine.submit(list(range(10, 20)), params, "a")  # 10 prompt + 3 = 13 → 4 pages
+    b = engine.submit([30, 31], params, "b")  # 5 → 2 pages
+    c = engine.submit([40, 41, 42, 43, 44, 45], params, "c")  # 9 → 3 pages
+
+    out = engine.step()  # a and b admitted (batch of 2); a's prefill is chunked at 8
+    assert out.admitted == ("a", "b")
+    assert plan(out) == [("a", 0, tuple(range(10, 18)))]
+    assert out.bucket == (8, 1)
+    assert sched.running["a"].pages == [1, 2, 3, 4] and sched.running["b"].pages == [5, 6]
+    assert alloc.num_free == 2 and list(sched.waiting)[0].request_id == "c"
+
+    out = engine.step()  # a finishes its prefill (2 tokens) and samples; b prefills in full
+    assert plan(out) == [("a", 8, (18, 19)), ("b", 0, (30, 31))]
+    assert out.bucket == (4, 2)
+
+    out = engine.step()  # both decode
+    assert plan(out) == [("a", 10, (20,)), ("b", 2, (32,))]
+    out = engine.step()
+    assert plan(out) == [("a", 11, (21,)), ("b", 3, (33,))]
+    # both sampled their third token: finished, pages freed at once
+    assert sched.running == {} and alloc.num_free == 8
+
+    out = engine.step()  # c is admitted now that pages are free
+    assert out.admitted == ("c",) and plan(out) == [("c", 0, (40, 41, 42, 43, 44, 45))]
+    assert sched.running["c"].pages == [6, 5, 4]  # reused pages, last freed first
+
+    assert drain(a)[0] == [20, 21, 22] and drain(b)[0] == [32, 33, 34]
+    while engine.has_work():
+        engine.step()
+    tokens, text, reason = drain(c)
+    # words join with spaces, so the first generated word follows the prompt's last one
+    assert (tokens, text, reason) == ([46, 47, 48], " w46 w47 w48", "length")
+    assert alloc.num_free == alloc.num_usable
+
+
+def test_eos_stops_and_decodes_run_before_prefills():
+    engine, runner = make_engine(max_batch=4, token_budget=4)
+    s1 = engine.submit([97, 98], SamplingParams(max_tokens=10))  # 98 → 99 → 0 (EOS)
+    engine.step()  # s1 prefill, samples 99
+    s2 = engine.submit([5, 6, 7, 8, 9, 10], SamplingParams(max_tokens=2, ignore_eos=True))
+    out = engine.step()
+    # s1's decode goes first; s2's prefill takes the rest of the budget (3 of 6 tokens)
+    assert [(c.seq.request_id, len(c.token_ids)) for c in out.chunks] == [
+        ("req-1", 1),
+        ("req-2", 3),
+    ]
+    while engine.has_work():
+        engine.step()
+    assert drain(s1) == ([99, EOS], " w99", "stop")
+    assert drain(s2)[0] == [11, 12]
+
+
+def test_request_submitted_while_8_decode_starts_prefill_next_step():
+    engine, _ = make_engine(num_pages=65, page_size=16, max_batch=16, token_budget=32)
+    for i in range(8):
+        engine.submit([10 + i], SamplingParams(max_tokens=50, ignore_eos=True))
+    for _ in range(3):
+        engine.step()
+    assert len(engine.scheduler.running) == 8
+    late = engine.submit([50, 51, 52], SamplingParams(max_tokens=2, ignore_eos=True), "late")
+    out = engine.step()
+    assert ("late", 0, (50, 51, 52)) in plan(out)
+    assert out.step == 3 and out.admitted == ("late",)
+    del late
+
+
+def test_cancel_frees_pages_by_the_next_step_and_ends_the_stream():
+    engine, _ = make_engine()
+    stream = engine.submit([1, 2, 3], SamplingParams(max_tokens=20, ignore_eos=True), "x")
+    engine.step()
+    assert engine.scheduler.allocator.num_used == 6  # ceil(23 / 4)
+    engine.cancel("x")
+    engine.step()
+    assert engine.scheduler.allocator.num_used == 0
+    assert drain(stream)[2] == "abort"
+
+
+def test_a_full_output_buffer_cancels_that_request_only():
+    engine, _ = make_engine(stream_capacity=2)
+    slow = engine.submit([1], SamplingParams(max_tokens=20, ignore_eos=True), "slow")
+    fast = engine.submit([2], SamplingParams(max_tokens=20, ignore_eos=True), "fast")
+    fast_tokens = []
+    while engine.has_work():
+        engine.step()
+        while len(fast):
+            fast_tokens += fast.get(timeout=0).token_ids
+    assert len(fast_tokens) == 20
+    items = [slow.get(timeout=0) for _ in range(len(slow))]
+    assert items[-1].finish_reason == "abort" and len(items) == 3
+    assert engine.scheduler.allocator.num_free == engine.scheduler.allocator.num_usable
+
+
+def test_requests_that_can_never_fit_are_rejected_at_once():
+    engine, _ = make_engine(num_pages=9, max_model_len=64)
+    with pytest.raises(RequestRejected, match="exceeds the model's context of 64"):
+        engine.submit(list(range(60)), SamplingParams(max_tokens=10))
+    with pytest.raises(RequestRejected, match="needs 10 KV pages, the pool has 8"):
+        engine.submit(list(range(30)), SamplingParams(max_tokens=10))
+    assert not engine.has_work()
+
+
+def test_random_mix_of_finish_cancel_reject_returns_every_page():
+    import random
+
+    rng = random.Random(0)
+    engine, _ = make_engine(num_pages=41, page_size=4, max_batch=6, token_budget=12)
+    streams = []
+    for step in range(400):
+        if rng.random() < 0.3:
+            prompt = [rng.randrange(1, 100) for _ in range(rng.randint(1, 40))]
+            params = SamplingParams(max_tokens=rng.randint(1, 30), ignore_eos=rng.random() < 0.5)
+            try:
+                streams.append(engine.submit(prompt, params))
+            except RequestRejected:
+                pass
+        if streams and rng.random() < 0.1:
+            engine.cancel(rng.choice(streams).request_id)
+        engine.step()  # debug_checks: the page books are verified after every step
+    while engine.has_work():
+        engine.step()
+    alloc = engine.scheduler.allocator
+    assert alloc.num_free == alloc.num_usable
+    assert not engine.live
+    for stream in streams:
+        assert drain(stream)[2] in ("stop", "length", "abort")

@@ -1,0 +1,91 @@
+"""The engine on real weights: batch invariance, chunked prefill, no compiles while serving."""
+
+import random
+
+import pytest
+from hf_models import save_random_model
+
+from jaxserve import LLM, SamplingParams
+from jaxserve.runner import compile_count
+from jaxserve.tokenizer import Tokenizer
+
+PROMPT = "Write a short poem about the sea and the sky."
+OTHERS = [
+    "Hi",
+    "The quick brown fox jumps over the lazy dog. " * 3,
+    "def add(a, b):\n    return",
+    "List three colours:",
+    "Once upon a time",
+    "1, 2, 3, 4, 5,",
+    "Translate to French: good morning",
+    "What is the boiling point of water?",
+    "Explain gravity in one sentence. " * 2,
+    "The best way to learn is",
+    "Bonjour, je m'appelle",
+    "import numpy as np\n",
+    "Q: Who wrote Hamlet?\nA:",
+    "Roses are red,",
+    "A B C D E F G",
+]
+
+
+@pytest.fixture(scope="module")
+def llm(smollm2_gguf):
+    return LLM(smollm2_gguf, max_batch=16, num_pages=256, token_budget=256, debug_checks=True)
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True),
+        SamplingParams(max_tokens=24, temperature=0.8, seed=1234, ignore_eos=True),
+    ],
+    ids=["greedy", "seeded"],
+)
+def test_tokens_are_the_same_alone_and_in_a_batch_of_16(llm, params):
+    alone = llm.generate([PROMPT], params)[0].token_ids
+    others = SamplingParams(max_tokens=12, temperature=0.7, ignore_eos=False)
+    streams = [llm.engine.submit(llm.encode(p), others) for p in OTHERS[:7]]
+    target = llm.engine.submit(llm.encode(PROMPT), params)
+    streams += [llm.engine.submit(llm.encode(p), others) for p in OTHERS[7:]]
+    while llm.engine.has_work():
+        llm.engine.step()
+    batched, finished = [], False
+    while not finished:
+        item = target.get(timeout=0)
+        batched += item.token_ids
+        finished = item.finished
+    assert batched == alone
+    alloc = llm.scheduler.allocator
+    assert alloc.num_free == alloc.num_usable
+
+
+def test_chunked_prefill_gives_the_same_tokens(llm, smollm2_gguf):
+    long_prompt = " ".join(OTHERS) + PROMPT
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    whole = llm.generate([long_prompt], params)[0]
+    assert len(whole.prompt_token_ids) > 100
+    chunked_llm = LLM(smollm2_gguf, max_batch=4, num_pages=64, token_budget=16)
+    chunked = chunked_llm.generate([long_prompt], params)[0]
+    assert chunked.token_ids == whole.token_ids
+
+
+def test_no_compile_after_warmup_over_200_mixed_requests(tmp_path, smollm2_gguf):
+    save_random_model("llama-gqa-tied", tmp_path / "model")
+    Tokenizer.from_gguf(smollm2_gguf).save(tmp_path / "model")  # prompts are ids < 256
+    rng = random.Random(0)
+    llm = LLM(
+        tmp_path / "model", max_batch=8, num_pages=128, page_size=8, token_budget=64,
+        max_model_len=256, warmup=True, debug_checks=True,
+    )
+    before = compile_count()
+    for _ in range(4):  # 4 waves of 50: prompts and outputs of many lengths
+        prompts = [[rng.randrange(3, 256) for _ in range(rng.randint(1, 120))] for _ in range(50)]
+        params = [
+            SamplingParams(max_tokens=rng.randint(1, 40), temperature=0.5, ignore_eos=True)
+            for _ in prompts
+        ]
+        outs = llm.generate(prompts, params)
+        assert all(o.finish_reason == "length" for o in outs)
+    assert compile_count() == before
+    assert llm.runner.compiles_after_warmup == 0
