@@ -1,8 +1,9 @@
 """The one entry point through which models call paged attention, and its backend choice.
 
-Backends: "pallas" (the Pallas kernels; GPU/TPU), "xla" (blocked jnp over pages;
-what serves on CPU, where Pallas runs only in slow interpret mode) and
-"reference" (dense, for tests). `select_backend` picks by platform unless told;
+Backends: "pallas" (the Pallas ragged kernel; GPU), "pallas-interpret" (the same
+kernel in interpret mode, to test it on CPU), "xla" (blocked jnp over pages; what
+serves on CPU, where Pallas runs only in slow interpret mode) and "reference"
+(dense, for tests). `select_backend` picks by platform unless told;
 the choice travels as a static field of the metadata, so model code never changes.
 """
 
@@ -12,15 +13,16 @@ import jax
 
 from jaxserve.kv_cache import KVCache
 from jaxserve.pallas_kernels.blocked_jnp import blocked_paged_attention
+from jaxserve.pallas_kernels.ragged_attention import ragged_paged_attention
 from jaxserve.pallas_kernels.reference import ragged_paged_attention_reference
 
-BACKENDS = ("pallas", "xla", "reference")
+BACKENDS = ("pallas", "pallas-interpret", "xla", "reference")
 
 
 def select_backend(requested: str | None = None) -> str:
     """`requested` if given (validated), else Pallas on accelerators and XLA on CPU."""
     if requested is None:
-        return "pallas" if jax.default_backend() in ("gpu", "tpu") else "xla"
+        return "pallas" if jax.default_backend() == "gpu" else "xla"
     if requested not in BACKENDS:
         raise ValueError(f"attention backend must be one of {BACKENDS}, got {requested!r}")
     return requested
@@ -55,10 +57,18 @@ def paged_attention(
 ) -> jax.Array:  # f32[num_tokens, num_heads, head_dim]
     """Attention of each token over its own sequence's pages, this token included."""
     k_pages, v_pages = kv_cache.k[layer], kv_cache.v[layer]
-    if metadata.backend == "reference":
-        attend = ragged_paged_attention_reference
-    elif metadata.backend == "xla":
-        attend = blocked_paged_attention
-    else:
-        raise NotImplementedError(f"attention backend {metadata.backend!r}")
-    return attend(q, k_pages, v_pages, metadata.seq_ids, positions, metadata.page_table, scale)
+    if metadata.backend.startswith("pallas"):
+        return ragged_paged_attention(
+            q,
+            k_pages,
+            v_pages,
+            metadata.cu_q_lens,
+            metadata.kv_lens,
+            metadata.page_table,
+            scale=scale,
+            interpret=metadata.backend == "pallas-interpret",
+        )
+    attend = {"xla": blocked_paged_attention, "reference": ragged_paged_attention_reference}
+    return attend[metadata.backend](
+        q, k_pages, v_pages, metadata.seq_ids, positions, metadata.page_table, scale
+    )

@@ -11,23 +11,27 @@ from dataclasses import dataclass
 import numpy as np
 
 from jaxserve.attention import AttentionMetadata
+from jaxserve.config import SamplingParams
 from jaxserve.page_allocator import NULL_PAGE
 from jaxserve.sampling import SamplingTensors
 from jaxserve.step import StepInputs
 
+GREEDY = SamplingParams(temperature=0.0)
+
 
 @dataclass(frozen=True, slots=True)
 class Chunk:
-    """One sequence's tokens to compute this step."""
+    """One sequence's tokens to compute this step, and how to sample after them."""
 
     token_ids: Sequence[int]
     start: int  # position of token_ids[0] in the sequence
     pages: Sequence[int]  # the sequence's pages, covering start + len(token_ids)
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
+    params: SamplingParams = GREEDY
     seed: int = 0
     num_generated: int = 0
+    slot: int | None = None  # penalty slot; None: the spare slot
+    is_prompt: bool = True  # the tokens are prompt tokens (not yet counted as output)
+    samples: bool = True  # the chunk ends at the sequence's last token
 
 
 def pack_step(
@@ -36,9 +40,13 @@ def pack_step(
     num_tokens: int,
     num_seqs: int,
     max_pages: int,
+    spare_slot: int,
     attention_backend: str = "xla",
 ) -> StepInputs:
-    """Host arrays for one step, padded to (num_tokens, num_seqs); logits at each chunk's end."""
+    """Host arrays for one step, padded to (num_tokens, num_seqs); logits at each chunk's end.
+
+    `spare_slot` is the penalty slot that padding rows (and chunks without a slot) use.
+    """
     total = sum(len(c.token_ids) for c in chunks)
     if total > num_tokens or len(chunks) > num_seqs:
         raise ValueError(
@@ -54,6 +62,7 @@ def pack_step(
     cu_q_lens = np.zeros(num_seqs + 2, np.int32)
     kv_lens = np.zeros(num_seqs + 1, np.int32)
     logits_indices = np.zeros(num_seqs, np.int32)
+    prompt_slots = np.full(num_tokens, spare_slot, np.int32)
     offset = 0
     for row, chunk in enumerate(chunks):
         n = len(chunk.token_ids)
@@ -70,18 +79,28 @@ def pack_step(
         seq_ids[span] = row
         slot_mapping[span] = pages[pos // page_size] * page_size + pos % page_size
         page_table[row, : len(pages)] = pages
+        if chunk.is_prompt and chunk.slot is not None:
+            prompt_slots[span] = chunk.slot
         logits_indices[row] = offset + n - 1
         kv_lens[row] = chunk.start + n
         offset += n
         cu_q_lens[row + 1 :] = offset
-    padding = [Chunk((), 0, ())] * (num_seqs - len(chunks))
+    padding = [Chunk((), 1, (), samples=False)] * (num_seqs - len(chunks))
     rows = list(chunks) + padding
-    sampling = SamplingTensors.from_rows(
-        temperature=[c.temperature for c in rows],
-        top_k=[c.top_k for c in rows],
-        top_p=[c.top_p for c in rows],
-        seeds=[c.seed for c in rows],
-        counters=[c.num_generated for c in rows],
+    sampling = SamplingTensors(
+        temperature=np.array([c.params.temperature for c in rows], np.float32),
+        top_k=np.array([max(c.params.top_k, 0) for c in rows], np.int32),
+        top_p=np.array([c.params.top_p for c in rows], np.float32),
+        min_p=np.array([c.params.min_p for c in rows], np.float32),
+        presence_penalty=np.array([c.params.presence_penalty for c in rows], np.float32),
+        frequency_penalty=np.array([c.params.frequency_penalty for c in rows], np.float32),
+        repetition_penalty=np.array([c.params.repetition_penalty for c in rows], np.float32),
+        seeds=np.array([c.seed for c in rows], np.uint32),
+        counters=np.array([c.num_generated for c in rows], np.int32),
+        slots=np.array([spare_slot if c.slot is None else c.slot for c in rows], np.int32),
+        first_chunk=np.array([c.start == 0 and c.slot is not None for c in rows], bool),
+        samples=np.array([c.samples and c.slot is not None for c in rows], bool),
+        prompt_slots=prompt_slots,
     )
     metadata = AttentionMetadata(
         seq_ids, slot_mapping, page_table, cu_q_lens, kv_lens, logits_indices, attention_backend

@@ -42,17 +42,27 @@ class ModelConfig:
             )
 
 
+MAX_LOGPROBS = 20  # alternatives per token, as the OpenAI API allows
+
+
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
     """How to pick each next token and when to stop; the OpenAI/vLLM parameter set.
 
-    temperature 0 means greedy. top_k 0 (or -1) and top_p 1 disable those filters.
+    temperature 0 means greedy. top_k 0 (or -1), top_p 1 and min_p 0 disable those
+    filters; penalties at 0 (presence, frequency) or 1 (repetition) are off.
+    `logprobs` asks for the chosen token's log-probability and that many alternatives.
     """
 
     max_tokens: int = 16
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logprobs: int | None = None
     seed: int | None = None
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
@@ -73,6 +83,15 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < -1:
             raise ValueError(f"top_k must be -1, 0 or positive, got {self.top_k}")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if not self.repetition_penalty > 0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
         if self.min_tokens < 0 or self.min_tokens > self.max_tokens:
             raise ValueError(
                 f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}"

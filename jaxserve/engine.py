@@ -15,6 +15,7 @@ from typing import Protocol
 
 from jaxserve.config import SamplingParams
 from jaxserve.request import Request
+from jaxserve.results import StepResults
 from jaxserve.scheduler import Scheduler, SchedulerOutput
 from jaxserve.sequence import Sequence as SequenceState
 from jaxserve.stream import OutputStream, RequestOutput
@@ -24,8 +25,8 @@ log = logging.getLogger(__name__)
 
 
 class Runner(Protocol):
-    def execute(self, out: SchedulerOutput) -> Sequence[int]:
-        """The sampled token of every chunk of `out`, in chunk order (ignored where none)."""
+    def execute(self, out: SchedulerOutput) -> StepResults:
+        """Per chunk of `out`, in order: its sampled token (ignored where it samples none)."""
 
 
 @dataclass
@@ -107,13 +108,15 @@ class Engine:
         if not out.chunks:
             return out
         start = time.perf_counter()
-        tokens = self.runner.execute(out)
+        results = self.runner.execute(out)
         sampled = {
-            c.seq.request_id: int(t) for c, t in zip(out.chunks, tokens) if c.samples
+            c.seq.request_id: row for row, c in enumerate(out.chunks) if c.samples
         }
-        self.scheduler.update(out, sampled)
-        for request_id, token in sampled.items():
-            self._emit(request_id, token)
+        self.scheduler.update(
+            out, {rid: int(results.tokens[row]) for rid, row in sampled.items()}
+        )
+        for request_id, row in sampled.items():
+            self._emit(request_id, results, row)
         if self.debug_checks:
             self.scheduler.check_invariants()
         if self.on_step is not None:
@@ -129,17 +132,26 @@ class Engine:
         for request_id in cancels:
             self._finish(request_id, "abort")
 
-    def _emit(self, request_id: str, token: int) -> None:
+    def _emit(self, request_id: str, results: StepResults, row: int) -> None:
         live = self.live[request_id]
+        token = int(results.tokens[row])
         text = live.state.append(token)
         if live.first_token_time is None:
             live.first_token_time = time.monotonic()
+        logprobs = top = None
+        n = live.request.params.logprobs
+        if n is not None:
+            logprobs = (float(results.logprobs[row]),)
+            ids, values = results.top_ids[row, :n], results.top_logprobs[row, :n]
+            top = ({int(i): float(v) for i, v in zip(ids, values)},)
         output = RequestOutput(
             request_id,
             (token,),
             text,
             live.state.finish_reason,
             len(live.request.prompt_ids),
+            logprobs,
+            top,
         )
         if not live.stream.push(output, force=output.finished):
             log.warning("output buffer of %s is full: cancelling it", request_id)

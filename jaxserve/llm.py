@@ -64,6 +64,7 @@ class LLM:
             cfg.num_pages,
             cfg.page_size,
             max_model_len,
+            cfg.max_batch,
             cfg.attention_backend,
             jnp.dtype(cfg.dtype),
         )

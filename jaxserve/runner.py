@@ -9,7 +9,6 @@ import logging
 import sys
 import threading
 import time
-from collections.abc import Sequence
 from pathlib import Path
 
 import jax
@@ -22,6 +21,8 @@ from jaxserve.batch import Chunk, pack_step
 from jaxserve.buckets import BucketTable
 from jaxserve.kv_cache import init_kv_cache
 from jaxserve.page_allocator import NULL_PAGE
+from jaxserve.results import StepResults
+from jaxserve.sampling import init_penalty_state
 from jaxserve.scheduler import SchedulerOutput
 from jaxserve.step import step
 
@@ -69,6 +70,7 @@ class ModelRunner:
         num_pages: int,
         page_size: int,
         max_model_len: int,
+        num_slots: int,
         attention_backend: str | None = None,
         dtype: jnp.dtype = jnp.float32,
     ):
@@ -81,38 +83,49 @@ class ModelRunner:
         self.kv_cache = init_kv_cache(
             cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, num_pages, page_size, dtype
         )
+        self.spare_slot = num_slots
+        self.penalties = init_penalty_state(num_slots, cfg.vocab_size)
         self.step_times: dict[tuple[int, int], float] = {}  # bucket -> median seconds
         self.warm = False
         self.compiles_after_warmup = 0
 
-    def execute(self, out: SchedulerOutput) -> Sequence[int]:
+    def execute(self, out: SchedulerOutput) -> StepResults:
         chunks = [
             Chunk(
                 c.token_ids,
                 c.start,
                 c.seq.pages,
-                temperature=c.seq.request.params.temperature,
-                top_k=c.seq.request.params.top_k,
-                top_p=c.seq.request.params.top_p,
+                c.seq.request.params,
                 seed=c.seq.request.seed,
                 num_generated=c.seq.num_generated,
+                slot=c.seq.slot,
+                is_prompt=c.seq.in_prefill,
+                samples=c.samples,
             )
             for c in out.chunks
         ]
         return self._run(chunks, out.bucket)
 
-    def _run(self, chunks: list[Chunk], bucket: tuple[int, int]) -> np.ndarray:
+    def _run(self, chunks: list[Chunk], bucket: tuple[int, int]) -> StepResults:
         num_tokens, num_seqs = bucket
         inputs = pack_step(
-            chunks, self.page_size, num_tokens, num_seqs, self.max_pages, self.backend
+            chunks,
+            self.page_size,
+            num_tokens,
+            num_seqs,
+            self.max_pages,
+            self.spare_slot,
+            self.backend,
         )
         before = _COMPILES.count
-        tokens, self.kv_cache = step(self.graphdef, self.state, self.kv_cache, inputs)
-        tokens = np.asarray(jax.device_get(tokens))
+        results, self.kv_cache, self.penalties = step(
+            self.graphdef, self.state, self.kv_cache, self.penalties, inputs
+        )
+        results = StepResults.unpack(np.asarray(jax.device_get(results)))
         if self.warm and _COMPILES.count > before:
             self.compiles_after_warmup += _COMPILES.count - before
             log.error("compiled while serving: bucket %s (a shape outside the table)", bucket)
-        return tokens
+        return results
 
     def warmup(self, repeats: int = 3) -> dict[tuple[int, int], float]:
         """Compile and time every bucket on dummy inputs that touch only the null page.

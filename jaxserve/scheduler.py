@@ -21,6 +21,7 @@ class RunningSequence:
 
     request: Request
     pages: list[int]
+    slot: int  # stable batch position while running (indexes per-sequence device state)
     token_ids: list[int]  # prompt, then every token sampled so far
     num_computed: int = 0  # tokens whose K/V are in the cache
     admitted_step: int = 0
@@ -79,6 +80,7 @@ class Scheduler:
     waiting: deque[Request] = field(default_factory=deque)
     running: dict[str, RunningSequence] = field(default_factory=dict)  # in admission order
     step_index: int = 0
+    free_slots: list[int] = field(init=False)
 
     def __post_init__(self) -> None:
         if self.token_budget < self.max_batch:
@@ -87,6 +89,7 @@ class Scheduler:
                 f"({self.max_batch}): every running sequence decodes one token a step"
             )
         self.buckets.choose(self.token_budget, self.max_batch)  # the table must hold a full step
+        self.free_slots = list(range(self.max_batch - 1, -1, -1))  # pop() gives 0 first
 
     def pages_needed(self, request: Request) -> int:
         return -(-request.max_total_tokens // self.page_size)
@@ -114,6 +117,7 @@ class Scheduler:
         seq = self.running.pop(request_id, None)
         if seq is not None:
             self.allocator.free(request_id, seq.pages)
+            self.free_slots.append(seq.slot)
             return
         self.waiting = deque(r for r in self.waiting if r.request_id != request_id)
 
@@ -147,7 +151,11 @@ class Scheduler:
             self.waiting.popleft()
             pages = self.allocator.allocate(request.request_id, need)
             self.running[request.request_id] = RunningSequence(
-                request, pages, list(request.prompt_ids), admitted_step=self.step_index
+                request,
+                pages,
+                self.free_slots.pop(),
+                list(request.prompt_ids),
+                admitted_step=self.step_index,
             )
             admitted.append(request.request_id)
         return tuple(admitted)

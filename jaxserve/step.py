@@ -1,18 +1,28 @@
 """The jitted device computations: a forward pass over a flat batch, and forward + sample.
 
 Model weights enter as an NNX (graphdef, state) pair split once, so each call is a
-plain `jax.jit` of a pure function. The KV cache is donated and updated in place.
+plain `jax.jit` of a pure function. The KV cache and the penalty state are donated
+and updated in place. The step's results leave the device as one array.
 """
 
 from dataclasses import dataclass
 from functools import partial
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
 from jaxserve.attention import AttentionMetadata
 from jaxserve.kv_cache import KVCache
-from jaxserve.sampling import SamplingTensors, sample
+from jaxserve.sampling import (
+    PenaltyState,
+    SamplingTensors,
+    apply_penalties,
+    record_output,
+    record_prompt,
+    sample,
+    token_logprobs,
+)
 
 
 @jax.tree_util.register_dataclass
@@ -40,11 +50,30 @@ def forward(
     return model(token_ids, positions, kv_cache, metadata)
 
 
-@partial(jax.jit, static_argnums=0, donate_argnums=2)
+@partial(jax.jit, static_argnums=0, donate_argnums=(2, 3))
 def step(
-    graphdef: nnx.GraphDef, state: nnx.State, kv_cache: KVCache, inputs: StepInputs
-) -> tuple[jax.Array, KVCache]:  # i32[num_logits] next tokens, cache
-    """One forward pass and the next token of every row that asked for logits."""
+    graphdef: nnx.GraphDef,
+    state: nnx.State,
+    kv_cache: KVCache,
+    penalties: PenaltyState,
+    inputs: StepInputs,
+) -> tuple[jax.Array, KVCache, PenaltyState]:
+    """One forward pass; sample the next token of every row and score it.
+
+    Returns f32[num_seqs, RESULT_WIDTH] results (laid out as `StepResults` reads
+    them), the cache and the penalty state.
+    """
     model = nnx.merge(graphdef, state)
     logits, kv_cache = model(inputs.token_ids, inputs.positions, kv_cache, inputs.metadata)
-    return sample(logits, inputs.sampling), kv_cache
+    params = inputs.sampling
+    penalties = record_prompt(penalties, params, inputs.token_ids)
+    tokens = sample(apply_penalties(logits, penalties, params), params)
+    penalties = record_output(penalties, params, tokens)
+    chosen, top_ids, top_logprobs = token_logprobs(logits, tokens)
+    # ids < 2**24 are exact in f32, so one array carries everything back
+    results = jnp.concatenate(
+        [tokens[:, None].astype(jnp.float32), chosen[:, None], top_ids.astype(jnp.float32),
+         top_logprobs],
+        axis=1,
+    )
+    return results, kv_cache, penalties

@@ -19,9 +19,10 @@ class RequestOutput:
     request_id: str
     token_ids: tuple[int, ...]  # new tokens this step
     text: str  # new text released this step
-    finish_reason: str | None = None  # "stop", "length", "abort" or an error message kind
+    finish_reason: str | None = None  # "stop", "length", "abort" or "error"
     num_prompt_tokens: int = 0
-    error: str | None = None
+    logprobs: tuple[float, ...] | None = None  # of each new token, when asked for
+    top_logprobs: tuple[dict[int, float], ...] | None = None  # alternatives per new token
 
     @property
     def finished(self) -> bool:

@@ -4,11 +4,13 @@ The fake model's next token is (last token of the chunk + 1) mod VOCAB, so a
 prompt ending in token t continues t+1, t+2, …; token 0 is EOS.
 """
 
+import numpy as np
 import tokenizers
 
 from jaxserve.buckets import BucketTable
 from jaxserve.engine import Engine
 from jaxserve.page_allocator import PageAllocator
+from jaxserve.results import RESULT_WIDTH, StepResults
 from jaxserve.scheduler import Scheduler, SchedulerOutput
 from jaxserve.tokenizer import Tokenizer
 
@@ -31,9 +33,12 @@ class FakeRunner:
     def __init__(self) -> None:
         self.steps: list[SchedulerOutput] = []
 
-    def execute(self, out: SchedulerOutput) -> list[int]:
+    def execute(self, out: SchedulerOutput) -> StepResults:
         self.steps.append(out)
-        return [(c.token_ids[-1] + 1) % VOCAB for c in out.chunks]
+        tokens = [(c.token_ids[-1] + 1) % VOCAB for c in out.chunks]
+        packed = np.zeros((len(tokens), RESULT_WIDTH), np.float32)
+        packed[:, 0] = tokens
+        return StepResults.unpack(packed)
 
 
 def make_engine(

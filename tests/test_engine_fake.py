@@ -22,7 +22,7 @@ def plan(out) -> list[tuple[str, int, tuple[int, ...]]]:
 
 
 def test_admission_chunks_pages_and_frees_step_by_step():
-    engine, runner = make_engine(num_pages=9, page_size=4, max_batch=2, token_budget=8)
+    engine, _ = make_engine(num_pages=9, page_size=4, max_batch=2, token_budget=8)
     sched, alloc = engine.scheduler, engine.scheduler.allocator
     params = SamplingParams(max_tokens=3, ignore_eos=True)
     a = engine.submit(list(range(10, 20)), params, "a")  # 10 prompt + 3 = 13 → 4 pages
@@ -34,7 +34,7 @@ def test_admission_chunks_pages_and_frees_step_by_step():
     assert plan(out) == [("a", 0, tuple(range(10, 18)))]
     assert out.bucket == (8, 1)
     assert sched.running["a"].pages == [1, 2, 3, 4] and sched.running["b"].pages == [5, 6]
-    assert alloc.num_free == 2 and list(sched.waiting)[0].request_id == "c"
+    assert alloc.num_free == 2 and [r.request_id for r in sched.waiting] == ["c"]
 
     out = engine.step()  # a finishes its prefill (2 tokens) and samples; b prefills in full
     assert plan(out) == [("a", 8, (18, 19)), ("b", 0, (30, 31))]
@@ -61,7 +61,7 @@ def test_admission_chunks_pages_and_frees_step_by_step():
 
 
 def test_eos_stops_and_decodes_run_before_prefills():
-    engine, runner = make_engine(max_batch=4, token_budget=4)
+    engine, _ = make_engine(max_batch=4, token_budget=4)
     s1 = engine.submit([97, 98], SamplingParams(max_tokens=10))  # 98 → 99 → 0 (EOS)
     engine.step()  # s1 prefill, samples 99
     s2 = engine.submit([5, 6, 7, 8, 9, 10], SamplingParams(max_tokens=2, ignore_eos=True))
@@ -132,7 +132,7 @@ def test_random_mix_of_finish_cancel_reject_returns_every_page():
     rng = random.Random(0)
     engine, _ = make_engine(num_pages=41, page_size=4, max_batch=6, token_budget=12)
     streams = []
-    for step in range(400):
+    for _ in range(400):
         if rng.random() < 0.3:
             prompt = [rng.randrange(1, 100) for _ in range(rng.randint(1, 40))]
             params = SamplingParams(max_tokens=rng.randint(1, 30), ignore_eos=rng.random() < 0.5)

@@ -22,8 +22,14 @@ def hf_logits(model, ids: list[int]) -> np.ndarray:
         return model(torch.tensor([ids])).logits[0].numpy()
 
 
-@pytest.mark.parametrize("kind", sorted(CONFIGS))
-def test_prefill_and_decode_logits_match(kind, tmp_path):
+CASES = [(kind, "xla") for kind in sorted(CONFIGS)] + [
+    ("llama-gqa-tied", "reference"),
+    ("qwen2-bias", "pallas-interpret"),  # the Pallas ragged kernel inside the model
+]
+
+
+@pytest.mark.parametrize("kind, backend", CASES)
+def test_prefill_and_decode_logits_match(kind, backend, tmp_path):
     hf = save_random_model(kind, tmp_path)
     model = load_model(open_checkpoint(tmp_path))
     cfg = model.config
@@ -36,7 +42,7 @@ def test_prefill_and_decode_logits_match(kind, tmp_path):
     kv = init_kv_cache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 40, PAGE_SIZE)
 
     chunks = [Chunk(p, 0, pg) for p, pg in zip(prompts, pages)]
-    inputs = pack_step(chunks, PAGE_SIZE, num_tokens=32, num_seqs=4, max_pages=8)
+    inputs = pack_step(chunks, PAGE_SIZE, 32, 4, 8, spare_slot=4, attention_backend=backend)
     all_tokens = np.arange(sum(len(p) for p in prompts), dtype=np.int32)
     meta = dataclasses.replace(inputs.metadata, logits_indices=all_tokens)
     logits, kv = forward(graphdef, state, kv, inputs.token_ids, inputs.positions, meta)
@@ -47,7 +53,7 @@ def test_prefill_and_decode_logits_match(kind, tmp_path):
     for _ in range(3):
         nxt = [int(rng.integers(cfg.vocab_size)) for _ in prompts]
         chunks = [Chunk([t], len(p), pg) for t, p, pg in zip(nxt, prompts, pages)]
-        inputs = pack_step(chunks, PAGE_SIZE, num_tokens=4, num_seqs=4, max_pages=8)
+        inputs = pack_step(chunks, PAGE_SIZE, 4, 4, 8, spare_slot=4, attention_backend=backend)
         logits, kv = forward(
             graphdef, state, kv, inputs.token_ids, inputs.positions, inputs.metadata
         )

@@ -1,15 +1,39 @@
-"""On-device sampling: filters, temperature and per-row seeds."""
+"""On-device sampling: filters, temperature, per-row seeds, penalties and logprobs."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve.sampling import SamplingTensors, sample
+from jaxserve.sampling import (
+    SamplingTensors,
+    apply_penalties,
+    init_penalty_state,
+    record_output,
+    record_prompt,
+    sample,
+    token_logprobs,
+)
 
 
-def rows(n, temperature=1.0, top_k=0, top_p=1.0, seed=0, counter=0):
-    return SamplingTensors.from_rows(
-        [temperature] * n, [top_k] * n, [top_p] * n, [seed] * n, [counter] * n
+def rows(n, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seeds=None, counters=None,
+         presence=0.0, frequency=0.0, repetition=1.0, slots=None, num_tokens=1):
+    def full(value, dtype):
+        return np.full(n, value, dtype)
+
+    return SamplingTensors(
+        temperature=full(temperature, np.float32),
+        top_k=full(top_k, np.int32),
+        top_p=full(top_p, np.float32),
+        min_p=full(min_p, np.float32),
+        presence_penalty=full(presence, np.float32),
+        frequency_penalty=full(frequency, np.float32),
+        repetition_penalty=full(repetition, np.float32),
+        seeds=np.asarray(seeds if seeds is not None else [0] * n, np.uint32),
+        counters=np.asarray(counters if counters is not None else [0] * n, np.int32),
+        slots=np.asarray(slots if slots is not None else range(n), np.int32),
+        first_chunk=full(False, bool),
+        samples=full(True, bool),
+        prompt_slots=np.full(num_tokens, n, np.int32),
     )
 
 
@@ -20,35 +44,66 @@ def test_temperature_zero_is_argmax():
     assert np.array_equal(sample(LOGITS, rows(4, temperature=0)), jnp.argmax(LOGITS, -1))
 
 
-def test_top_k_one_and_tiny_top_p_are_argmax():
-    assert np.array_equal(sample(LOGITS, rows(4, top_k=1)), jnp.argmax(LOGITS, -1))
-    assert np.array_equal(sample(LOGITS, rows(4, top_p=1e-6)), jnp.argmax(LOGITS, -1))
+def test_top_k_one_tiny_top_p_and_min_p_one_are_argmax():
+    argmax = jnp.argmax(LOGITS, -1)
+    assert np.array_equal(sample(LOGITS, rows(4, top_k=1)), argmax)
+    assert np.array_equal(sample(LOGITS, rows(4, top_p=1e-6)), argmax)
+    assert np.array_equal(sample(LOGITS, rows(4, min_p=1.0)), argmax)
 
 
-def test_top_k_never_leaves_the_k_best():
+def test_filters_never_leave_the_allowed_set():
     best3 = np.argsort(-np.asarray(LOGITS), -1)[:, :3]
-    for seed in range(50):
-        got = np.asarray(sample(LOGITS, rows(4, top_k=3, seed=seed)))
-        assert all(g in b for g, b in zip(got, best3))
-
-
-def test_top_p_keeps_the_smallest_prefix_reaching_p():
     logits = jnp.log(jnp.array([[0.5, 0.3, 0.15, 0.05]]))
-    seen = {int(sample(logits, rows(1, top_p=0.7, seed=s))[0]) for s in range(200)}
-    assert seen == {0, 1}
+    for seed in range(40):
+        got = np.asarray(sample(LOGITS, rows(4, top_k=3, seeds=[seed] * 4)))
+        assert all(g in b for g, b in zip(got, best3))
+        # top-p 0.7 keeps {0, 1}; min-p 0.25 keeps tokens with p >= 0.125: {0, 1, 2}
+        assert int(sample(logits, rows(1, top_p=0.7, seeds=[seed]))[0]) in (0, 1)
+        assert int(sample(logits, rows(1, min_p=0.25, seeds=[seed]))[0]) in (0, 1, 2)
 
 
 def test_frequencies_follow_softmax():
-    logits = jnp.log(jnp.array([[0.6, 0.3, 0.1]]))
     n = 4000
-    params = SamplingTensors.from_rows([1.0] * n, [0] * n, [1.0] * n, list(range(n)), [0] * n)
-    draws = sample(jnp.repeat(logits, n, axis=0), params)
+    logits = jnp.repeat(jnp.log(jnp.array([[0.6, 0.3, 0.1]])), n, axis=0)
+    draws = sample(logits, rows(n, seeds=range(n)))
     freq = np.bincount(np.asarray(draws), minlength=3) / n
     np.testing.assert_allclose(freq, [0.6, 0.3, 0.1], atol=0.03)
 
 
 def test_seeded_rows_do_not_depend_on_their_neighbours():
-    alone = sample(LOGITS[:1], rows(1, seed=7, counter=3))
-    params = SamplingTensors.from_rows([1.0] * 4, [0] * 4, [1.0] * 4, [1, 7, 2, 3], [0, 3, 5, 9])
-    batched = sample(jnp.stack([LOGITS[1], LOGITS[0], LOGITS[2], LOGITS[3]]), params)
+    alone = sample(LOGITS[:1], rows(1, seeds=[7], counters=[3]))
+    batched = sample(
+        jnp.stack([LOGITS[1], LOGITS[0], LOGITS[2], LOGITS[3]]),
+        rows(4, seeds=[1, 7, 2, 3], counters=[0, 3, 5, 9]),
+    )
     assert int(batched[1]) == int(alone[0])
+
+
+def test_penalties_follow_vllm_formulas():
+    vocab = 6
+    state = init_penalty_state(2, vocab)
+    params = rows(2, presence=0.5, frequency=0.25, repetition=2.0, num_tokens=2)
+    # slot 0's prompt holds token 1; slot 0 has generated token 2 twice
+    params = SamplingTensors(**{
+        **{f: getattr(params, f) for f in params.__dataclass_fields__},
+        "first_chunk": np.array([True, True]),
+        "prompt_slots": np.array([0, 2], np.int32),
+    })
+    state = record_prompt(state, params, jnp.array([1, 4]))
+    for _ in range(2):
+        state = record_output(state, params, jnp.array([2, 5]))
+    logits = jnp.array([[1.0, 1.0, 1.0, -1.0, 1.0, 1.0]] * 2)
+    got = np.asarray(apply_penalties(logits, state, params))
+    # row 0: token 1 (prompt) 1/2; token 2 (output x2) 1/2 - 0.25*2 - 0.5
+    np.testing.assert_allclose(got[0], [1.0, 0.5, 0.5 - 0.5 - 0.5, -1.0, 1.0, 1.0])
+    # row 1: token 4 went to the spare slot (2), token 5 generated twice
+    np.testing.assert_allclose(got[1], [1.0, 1.0, 1.0, -1.0, 1.0, 0.5 - 0.5 - 0.5])
+
+
+def test_logprobs_are_the_models_own():
+    tokens = jnp.argmax(LOGITS, -1).astype(jnp.int32)
+    chosen, top_ids, top_values = token_logprobs(LOGITS, tokens)
+    ref = jax.nn.log_softmax(LOGITS, -1)
+    np.testing.assert_allclose(chosen, ref[jnp.arange(4), tokens], rtol=1e-6)
+    assert np.array_equal(top_ids[:, 0], tokens)
+    assert np.all(np.diff(np.asarray(top_values), axis=1) <= 0)

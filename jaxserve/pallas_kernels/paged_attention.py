@@ -1,0 +1,316 @@
+"""Paged decode attention as a Pallas kernel: one query token per sequence.
+
+Layout: one layer's pool is head-major, `k_pages, v_pages: [num_kv_heads, num_pages,
+page_size, head_dim]`, page 0 being the reserved null page; sequence s owns the pages
+`page_table[s, :cdiv(kv_lens[s], page_size)]`, in order, and its query sits at position
+`kv_lens[s] - 1`, so it sees all `kv_lens[s]` keys.
+
+Design: the grid is (sequences, KV heads, KV splits). One program takes every query head
+of one KV-head group as the rows of a single `[group, head_dim]` tile, so each K/V page is
+read once per group and never copied per query head. It walks its share of the sequence's
+pages `pages_per_block` at a time (a block of `pages_per_block * page_size` keys gathered
+through the page table) with an online softmax accumulated in f32. With
+`num_kv_splits > 1` the page blocks are shared out between programs (flash-decoding, for
+small batches that would leave most of the GPU idle) and a few jnp ops merge the partial
+softmaxes.
+
+Backend: Pallas' Triton backend on NVIDIA GPUs, chosen explicitly by passing
+`pallas.triton.CompilerParams`. Without compiler params jax 0.10.2 lowers a GPU `pallas_call`
+to Mosaic GPU (`jax_pallas_use_mosaic_gpu` defaults to True), and warns there that
+`pallas_call` is deprecated in favour of `plgpu.kernel`. A Mosaic GPU kernel is a different
+program (warpgroups, TMA copies into shared memory, explicit barriers) with no direct
+counterpart of a masked load gathered through a page table, so these kernels keep to the
+block-spec and masked load/store style of jax's own `ops/gpu/paged_attention.py`. The Triton
+backend is being retired upstream in favour of Mosaic GPU, but 0.10.2 ships it and lowers
+these kernels to Triton IR (a test does so for `cuda` on CPU). Triton wants every array in a
+kernel to have a power-of-two size and dot tiles of at least 16, so `head_dim` and
+`pages_per_block * page_size` must be powers of two >= 16 and the query group is padded to
+one; the wrappers check this unless interpreting. On CPU only `interpret=True` runs.
+
+The pieces shared with the ragged kernel (input checks, the gathered K/V block, the online
+softmax step) live here and are imported by `ragged_attention.py`.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+NULL_PAGE = 0  # the reserved page (jaxserve.kv_cache.NULL_PAGE; kernels import only jax)
+# Finite, so a row that has seen no key keeps a finite max and exp(max - new_max) is defined.
+MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
+MIN_TILE = 16  # Triton's dot needs every tile dimension >= 16
+
+
+def next_power_of_2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def check_pool(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array) -> int:
+    """Check q against one layer's pages and return the query heads per KV head."""
+    if q.ndim != 3:
+        raise ValueError(f"q must be [tokens, num_heads, head_dim], got shape {q.shape}")
+    if k_pages.ndim != 4:
+        raise ValueError(
+            f"k_pages must be [num_kv_heads, num_pages, page_size, head_dim], "
+            f"got shape {k_pages.shape}"
+        )
+    if k_pages.shape != v_pages.shape:
+        raise ValueError(f"k_pages has shape {k_pages.shape} but v_pages has shape {v_pages.shape}")
+    if k_pages.dtype != v_pages.dtype:
+        raise ValueError(f"k_pages has dtype {k_pages.dtype} but v_pages has dtype {v_pages.dtype}")
+    for name, x in (("q", q), ("k_pages", k_pages)):
+        if not jnp.issubdtype(x.dtype, jnp.floating):
+            raise ValueError(f"{name} must be floating point, got {x.dtype}")
+    num_heads, head_dim = q.shape[1:]
+    num_kv_heads = k_pages.shape[0]
+    if num_heads % num_kv_heads:
+        raise ValueError(
+            f"q has {num_heads} heads but k_pages has {num_kv_heads} KV heads: "
+            f"{num_heads} is not a multiple of {num_kv_heads}"
+        )
+    if head_dim != k_pages.shape[3]:
+        raise ValueError(
+            f"q has head_dim {head_dim} (shape {q.shape}) but k_pages has head_dim "
+            f"{k_pages.shape[3]} (shape {k_pages.shape})"
+        )
+    return num_heads // num_kv_heads
+
+
+def check_index(name: str, x: jax.Array, expected: tuple[int | None, ...], why: str) -> None:
+    """Check an int32 index array's shape; None in `expected` matches any size."""
+    ok = x.ndim == len(expected) and all(e is None or e == n for e, n in zip(expected, x.shape))
+    if not ok:
+        want = "[" + ", ".join("*" if e is None else str(e) for e in expected) + "]"
+        raise ValueError(f"{name} has shape {x.shape} but {why}: expected {want}")
+    if x.dtype != jnp.int32:
+        raise ValueError(f"{name} must be int32, got {x.dtype} (shape {x.shape})")
+
+
+def check_positive(**sizes: int) -> None:
+    for name, n in sizes.items():
+        if not isinstance(n, int) or n < 1:
+            raise ValueError(f"{name} must be a positive int, got {n!r}")
+
+
+def check_gpu_tiles(head_dim: int, page_size: int, pages_per_block: int, rows: int) -> None:
+    """Raise unless the tiles fit the Triton backend (powers of two, dots >= 16)."""
+    tiles = {
+        "head_dim": head_dim,
+        f"pages_per_block * page_size ({pages_per_block} * {page_size})": (
+            pages_per_block * page_size
+        ),
+        "query rows per tile": rows,
+    }
+    for what, n in tiles.items():
+        if n < MIN_TILE or n & (n - 1):
+            raise ValueError(
+                f"{what} is {n}: the Triton backend needs a power of two >= {MIN_TILE} "
+                "(interpret=True runs any size)"
+            )
+    if pages_per_block & (pages_per_block - 1):
+        raise ValueError(f"pages_per_block is {pages_per_block}: Triton needs a power of two")
+
+
+def triton_params(rows: int, block_k: int, head_dim: int, itemsize: int) -> pltriton.CompilerParams:
+    """Warps and pipeline depth for one program's tiles (a shape rule, not a tuned one)."""
+    # a [rows, head_dim] f32 accumulator and a [rows, block_k] score tile live in registers
+    num_warps = 4 if rows <= 64 else 8
+    # each pipeline stage holds a K and a V block in shared memory (228 KiB on H100/H200)
+    stage_bytes = 2 * block_k * head_dim * itemsize
+    return pltriton.CompilerParams(
+        num_warps=num_warps, num_stages=2 if 2 * stage_bytes <= 160 * 1024 else 1
+    )
+
+
+def pad_page_table(page_table: jax.Array, pages_per_block: int) -> jax.Array:
+    """Pad each row with null pages to whole page blocks, so no block reads past the row."""
+    pad = -page_table.shape[1] % pages_per_block
+    return jnp.pad(page_table, ((0, 0), (0, pad)), constant_values=NULL_PAGE)
+
+
+def load_kv_block(
+    k_ref: jax.Array,  # [num_pages, page_size, head_dim] one KV head's pool
+    v_ref: jax.Array,  # [num_pages, page_size, head_dim]
+    page_table_ref: jax.Array,  # i32[num_seqs, max_pages]
+    seq: jax.Array,  # i32[] the sequence's row of the page table
+    block: jax.Array,  # i32[] page block index
+    kv_len: jax.Array,  # i32[] tokens in the sequence's cache
+    pages_per_block: int,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Gather one block of keys and values, [block_k, head_dim] each, and their positions."""
+    _, page_size, head_dim = k_ref.shape
+    block_k = pages_per_block * page_size
+    first_page = block * pages_per_block
+    # one indexer per load: Triton lowers no chained ref views (`ref.at[seq][...]`)
+    pages = page_table_ref[seq, pl.ds(first_page, pages_per_block)]
+    # table entries past the sequence's last page may hold anything: read the null page
+    live = first_page + jnp.arange(pages_per_block) < pl.cdiv(kv_len, page_size)
+    pages = jnp.where(live, pages, NULL_PAGE)
+    k = k_ref[pages].reshape(block_k, head_dim)
+    v = v_ref[pages].reshape(block_k, head_dim)
+    key_pos = block * block_k + jnp.arange(block_k)
+    # slots past kv_len are stale or padding; masked scores drop K there, but a NaN in V
+    # would survive its zero weight
+    v = jnp.where((key_pos < kv_len)[:, None], v, 0)
+    return k, v, key_pos
+
+
+def online_softmax_step(
+    q: jax.Array,  # [rows, head_dim] in the pages' dtype
+    k: jax.Array,  # [block_k, head_dim]
+    v: jax.Array,  # [block_k, head_dim]
+    visible: jax.Array,  # bool[rows or 1, block_k]
+    carry: tuple[jax.Array, jax.Array, jax.Array],  # acc f32[rows, head_dim]; max, sum f32[rows]
+    scale: float,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Fold one block of keys into the running (unnormalised output, row max, row sum)."""
+    acc, row_max, row_sum = carry
+    # HIGHEST keeps f32 dots in IEEE f32 on Triton (the default would be TF32)
+    s = pltriton.dot(q, k, trans_b=True, precision=lax.Precision.HIGHEST) * scale
+    s = jnp.where(visible, s, MASK_VALUE)
+    new_max = jnp.maximum(row_max, s.max(axis=1))
+    alpha = jnp.exp(row_max - new_max)
+    p = jnp.exp(s - new_max[:, None])
+    new_sum = alpha * row_sum + p.sum(axis=1)
+    pv = pltriton.dot(p.astype(v.dtype), v, precision=lax.Precision.HIGHEST)
+    return alpha[:, None] * acc + pv, new_max, new_sum
+
+
+def _decode_kernel(
+    kv_lens_ref,  # i32[num_seqs]
+    page_table_ref,  # i32[num_seqs, max_pages]
+    q_ref,  # [rows, head_dim] this KV head's query heads, padded to rows
+    k_ref,  # [num_pages, page_size, head_dim] this KV head's pool
+    v_ref,  # [num_pages, page_size, head_dim]
+    acc_ref,  # f32[rows, head_dim] unnormalised output of this split
+    max_ref,  # f32[rows] score max of this split
+    sum_ref,  # f32[rows] softmax denominator of this split
+    *,
+    scale: float,
+    pages_per_block: int,
+    blocks_per_split: int,
+):
+    seq, split = pl.program_id(0), pl.program_id(2)
+    block_k = pages_per_block * k_ref.shape[1]
+    kv_len = kv_lens_ref[seq]
+    q = q_ref[...].astype(k_ref.dtype)
+    rows, head_dim = q.shape
+    first = split * blocks_per_split
+    last = jnp.minimum(first + blocks_per_split, pl.cdiv(kv_len, block_k))
+
+    def body(block, carry):
+        k, v, key_pos = load_kv_block(
+            k_ref, v_ref, page_table_ref, seq, block, kv_len, pages_per_block
+        )
+        return online_softmax_step(q, k, v, (key_pos < kv_len)[None, :], carry, scale)
+
+    init = (
+        jnp.zeros((rows, head_dim), jnp.float32),
+        jnp.full((rows,), MASK_VALUE, jnp.float32),
+        jnp.zeros((rows,), jnp.float32),
+    )
+    acc_ref[...], max_ref[...], sum_ref[...] = lax.fori_loop(first, last, body, init)
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("scale", "pages_per_block", "num_kv_splits", "interpret"),
+)
+def paged_attention(
+    q: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    kv_lens: jax.Array,
+    page_table: jax.Array,
+    *,
+    scale: float,
+    pages_per_block: int = 8,
+    num_kv_splits: int = 1,
+    interpret: bool = False,
+) -> jax.Array:
+    """Decode attention of one query token per sequence over its paged K/V.
+
+    Args:
+      q: f32[num_seqs, num_heads, head_dim] (or bf16/f16), the query at position
+        kv_lens[s] - 1; num_heads is a multiple of num_kv_heads and query head h reads
+        KV head h // (num_heads // num_kv_heads).
+      k_pages, v_pages: [num_kv_heads, num_pages, page_size, head_dim], one layer's pool,
+        f32 or bf16; page 0 is the null page.
+      kv_lens: i32[num_seqs] keys in each sequence's cache, this token's included; 0 for a
+        padding row, whose output is zeros. Lengths past max_pages * page_size are clamped.
+      page_table: i32[num_seqs, max_pages] each sequence's pages, in order; entries past
+        its last page are never read.
+      scale: multiplies q.k, usually head_dim ** -0.5.
+      pages_per_block: pages gathered per step of the softmax loop.
+      num_kv_splits: programs sharing one sequence's pages (flash-decoding).
+      interpret: run the kernel in Pallas' interpreter (any backend, CPU included).
+
+    Returns:
+      [num_seqs, num_heads, head_dim] in q's dtype, accumulated in f32.
+    """
+    group = check_pool(q, k_pages, v_pages)
+    num_seqs, num_heads, head_dim = q.shape
+    num_kv_heads, num_pages, page_size, _ = k_pages.shape
+    check_index("kv_lens", kv_lens, (num_seqs,), f"q has shape {q.shape}")
+    check_index("page_table", page_table, (num_seqs, None), f"q has shape {q.shape}")
+    check_positive(pages_per_block=pages_per_block, num_kv_splits=num_kv_splits)
+    rows = max(MIN_TILE, next_power_of_2(group))
+    if not interpret:
+        check_gpu_tiles(head_dim, page_size, pages_per_block, rows)
+    if num_seqs == 0:
+        return jnp.zeros_like(q)
+
+    kv_lens = jnp.clip(kv_lens, 0, page_table.shape[1] * page_size)
+    page_table = pad_page_table(page_table, pages_per_block)
+    num_blocks = page_table.shape[1] // pages_per_block
+    blocks_per_split = pl.cdiv(num_blocks, num_kv_splits)
+    # [num_seqs, num_kv_heads, rows, head_dim]: a group's heads are adjacent in q already;
+    # padding them to a power-of-two tile copies q only, never K or V
+    qg = q.reshape(num_seqs, num_kv_heads, group, head_dim)
+    qg = jnp.pad(qg, ((0, 0), (0, 0), (0, rows - group), (0, 0)))
+
+    kernel = functools.partial(
+        _decode_kernel,
+        scale=scale,
+        pages_per_block=pages_per_block,
+        blocks_per_split=blocks_per_split,
+    )
+    pool_spec = pl.BlockSpec((None, num_pages, page_size, head_dim), lambda s, h, j: (h, 0, 0, 0))
+    split_shape = (num_kv_splits, num_seqs, num_kv_heads, rows)
+    acc, row_max, row_sum = pl.pallas_call(
+        kernel,
+        grid=(num_seqs, num_kv_heads, num_kv_splits),
+        in_specs=[
+            pl.BlockSpec((num_seqs,), lambda s, h, j: (0,)),
+            pl.BlockSpec(page_table.shape, lambda s, h, j: (0, 0)),
+            pl.BlockSpec((None, None, rows, head_dim), lambda s, h, j: (s, h, 0, 0)),
+            pool_spec,
+            pool_spec,
+        ],
+        out_specs=[
+            pl.BlockSpec((None, None, None, rows, head_dim), lambda s, h, j: (j, s, h, 0, 0)),
+            pl.BlockSpec((None, None, None, rows), lambda s, h, j: (j, s, h, 0)),
+            pl.BlockSpec((None, None, None, rows), lambda s, h, j: (j, s, h, 0)),
+        ],
+        out_shape=[
+            jax.ShapeDtypeStruct((*split_shape, head_dim), jnp.float32),
+            jax.ShapeDtypeStruct(split_shape, jnp.float32),
+            jax.ShapeDtypeStruct(split_shape, jnp.float32),
+        ],
+        compiler_params=triton_params(
+            rows, pages_per_block * page_size, head_dim, k_pages.dtype.itemsize
+        ),
+        interpret=interpret,
+        name="paged_attention",
+    )(kv_lens, page_table, qg, k_pages, v_pages)
+
+    # merge the splits' partial softmaxes; a split that saw no key has row_sum 0
+    weight = jnp.exp(row_max - row_max.max(axis=0))
+    total = (weight * row_sum).sum(axis=0)
+    out = (weight[..., None] * acc).sum(axis=0) / jnp.where(total > 0, total, 1.0)[..., None]
+    return out[:, :, :group].reshape(num_seqs, num_heads, head_dim).astype(q.dtype)

@@ -1,0 +1,319 @@
+"""The Pallas attention kernels, in interpret mode on CPU, against float64 jnp references.
+
+Pools are tiny (interpret mode costs grow with the whole pool) and each test keeps its
+shapes fixed across its cases, so a kernel compiles once per test and the cases change only
+data: lengths, page ids and queries.
+"""
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxserve.pallas_kernels.paged_attention import paged_attention
+from jaxserve.pallas_kernels.ragged_attention import ragged_paged_attention
+from jaxserve.pallas_kernels.reference import (
+    paged_attention_reference,
+    ragged_paged_attention_reference_lens,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+PAGE_SIZE = 4
+HEAD_DIM = 16
+NUM_PAGES = 64
+MAX_PAGES = 16  # 64 tokens per sequence at most
+PAGES_PER_BLOCK = 2  # 8 keys per block
+BLOCK_Q = 4
+LONG = 37  # 10 pages, 5 page blocks
+SCALE = HEAD_DIM**-0.5
+RTOL, ATOL = 1e-5, 1e-6
+# (query heads per KV head, KV heads)
+GQA = [(1, 2), (3, 2), (4, 2), (8, 1)]
+gqa_ids = [f"group{g}" for g, _ in GQA]
+
+
+def make_pool(rng: np.random.Generator, num_kv_heads: int) -> tuple[np.ndarray, np.ndarray]:
+    shape = (num_kv_heads, NUM_PAGES, PAGE_SIZE, HEAD_DIM)
+    return rng.standard_normal(shape, np.float32), rng.standard_normal(shape, np.float32)
+
+
+def assign_pages(rng: np.random.Generator, kv_lens: np.ndarray) -> np.ndarray:
+    """Shuffled, non-contiguous real pages (never the null page 0) for each row."""
+    needed = -(-kv_lens // PAGE_SIZE)
+    assert needed.sum() <= NUM_PAGES - 1, "the test's rows do not fit the pool"
+    free = iter(rng.permutation(np.arange(1, NUM_PAGES, dtype=np.int32)))
+    table = np.zeros((len(kv_lens), MAX_PAGES), np.int32)
+    for row, n in enumerate(needed):
+        table[row, :n] = [next(free) for _ in range(n)]
+    return table
+
+
+def in_f64(reference, q, k, v, *index) -> np.ndarray:
+    with jax.enable_x64(True):
+        args = (jnp.asarray(x, jnp.float64) for x in (q, k, v))
+        return np.asarray(reference(*args, *index, SCALE))
+
+
+def cu_lens(q_lens: list[int]) -> np.ndarray:
+    return np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+
+
+# -- decode: one query per sequence -------------------------------------------------------
+
+EDGE_KV_LENS = [0, 1, PAGE_SIZE - 1, PAGE_SIZE, PAGE_SIZE + 1, LONG, MAX_PAGES * PAGE_SIZE, 2]
+
+
+def decode_cases(rng: np.random.Generator, num_random: int) -> list[np.ndarray]:
+    """The edge lengths, then seeded random batches of the same size."""
+    cases = [np.array(EDGE_KV_LENS, np.int32)]
+    while len(cases) < 1 + num_random:
+        lens = rng.choice([0, 1, 2, 3, 4, 5, 7, 8, 9, 15, 16, 17, 29, LONG, 45], len(EDGE_KV_LENS))
+        if (-(-lens // PAGE_SIZE)).sum() < NUM_PAGES:
+            cases.append(lens.astype(np.int32))
+    return cases
+
+
+@pytest.mark.parametrize(("group", "num_kv_heads"), GQA, ids=gqa_ids)
+def test_decode_matches_reference(group, num_kv_heads):
+    rng = np.random.default_rng(group)
+    k, v = make_pool(rng, num_kv_heads)
+    for kv_lens in decode_cases(rng, num_random=2):
+        page_table = assign_pages(rng, kv_lens)
+        q = rng.standard_normal((len(kv_lens), group * num_kv_heads, HEAD_DIM), np.float32)
+        got = paged_attention(
+            q, k, v, kv_lens, page_table,
+            scale=SCALE, pages_per_block=PAGES_PER_BLOCK, interpret=True,
+        )
+        want = in_f64(paged_attention_reference, q, k, v, kv_lens, page_table)
+        np.testing.assert_allclose(np.asarray(got), want, rtol=RTOL, atol=ATOL, err_msg=kv_lens)
+        assert not np.asarray(got)[kv_lens == 0].any(), "padding rows must output zeros"
+
+
+@pytest.mark.parametrize("num_kv_splits", [3, 8])
+def test_decode_kv_splits_match_reference(num_kv_splits):
+    """Split sequences' pages between programs; 8 splits leave most of them empty."""
+    rng = np.random.default_rng(num_kv_splits)
+    k, v = make_pool(rng, 2)
+    kv_lens = np.array(EDGE_KV_LENS, np.int32)
+    page_table = assign_pages(rng, kv_lens)
+    q = rng.standard_normal((len(kv_lens), 8, HEAD_DIM), np.float32)
+    got = paged_attention(
+        q, k, v, kv_lens, page_table, scale=SCALE, pages_per_block=PAGES_PER_BLOCK,
+        num_kv_splits=num_kv_splits, interpret=True,
+    )
+    want = in_f64(paged_attention_reference, q, k, v, kv_lens, page_table)
+    np.testing.assert_allclose(np.asarray(got), want, rtol=RTOL, atol=ATOL)
+
+
+# -- ragged: prefill chunks and decodes in one flat batch ----------------------------------
+
+NUM_TOKENS = 32
+# (q_len, kv_len): a decode over a long cache, a full prefill, a chunk continuing a prefix,
+# a first token, a one-page prefill, a padding row, a row with nothing to compute, a short
+# prefill; 23 tokens, then 9 padding tokens
+EDGE_ROWS = [(1, LONG), (9, 9), (5, 23), (1, 1), (4, 4), (0, 0), (0, 7), (3, PAGE_SIZE - 1)]
+
+
+def ragged_cases(rng: np.random.Generator, num_random: int) -> list[list[tuple[int, int]]]:
+    """The edge rows, then seeded random mixes of decodes, prefills and chunks."""
+    cases = [EDGE_ROWS]
+    while len(cases) < 1 + num_random:
+        rows = []
+        for _ in EDGE_ROWS:
+            kv_len = int(rng.choice([0, 1, 3, 4, 5, 8, 9, 12, 17, LONG]))
+            kind = rng.integers(3)  # decode, full prefill, chunk of a prefix
+            q_len = [min(1, kv_len), kv_len, int(rng.integers(0, kv_len + 1))][kind]
+            rows.append((q_len, kv_len))
+        q_total = sum(q for q, _ in rows)
+        pages = sum(-(-kv // PAGE_SIZE) for _, kv in rows)
+        if q_total <= NUM_TOKENS and pages < NUM_PAGES:
+            cases.append(rows)
+    return cases
+
+
+def run_ragged(q, k, v, cu_q_lens, kv_lens, page_table) -> np.ndarray:
+    out = ragged_paged_attention(
+        q, k, v, cu_q_lens, kv_lens, page_table,
+        scale=SCALE, block_q=BLOCK_Q, pages_per_block=PAGES_PER_BLOCK, interpret=True,
+    )
+    return np.asarray(out)
+
+
+@pytest.mark.parametrize(("group", "num_kv_heads"), GQA, ids=gqa_ids)
+def test_ragged_matches_reference(group, num_kv_heads):
+    rng = np.random.default_rng(100 + group)
+    k, v = make_pool(rng, num_kv_heads)
+    for rows in ragged_cases(rng, num_random=2):
+        cu_q_lens = cu_lens([q for q, _ in rows])
+        kv_lens = np.array([kv for _, kv in rows], np.int32)
+        page_table = assign_pages(rng, kv_lens)
+        q = rng.standard_normal((NUM_TOKENS, group * num_kv_heads, HEAD_DIM), np.float32)
+        got = run_ragged(q, k, v, cu_q_lens, kv_lens, page_table)
+        want = in_f64(ragged_paged_attention_reference_lens, q, k, v, cu_q_lens, kv_lens,
+                      page_table)
+        np.testing.assert_allclose(got, want, rtol=RTOL, atol=ATOL, err_msg=str(rows))
+        assert not got[cu_q_lens[-1] :].any(), "padding tokens must output zeros"
+
+
+def test_ragged_decode_rows_equal_the_decode_kernel():
+    rng = np.random.default_rng(7)
+    k, v = make_pool(rng, 2)
+    kv_lens = np.array(EDGE_KV_LENS, np.int32)
+    page_table = assign_pages(rng, kv_lens)
+    q = rng.standard_normal((len(kv_lens), 6, HEAD_DIM), np.float32)
+    decode = paged_attention(
+        q, k, v, kv_lens, page_table, scale=SCALE, pages_per_block=PAGES_PER_BLOCK,
+        interpret=True,
+    )
+    cu_q_lens = cu_lens([min(1, n) for n in kv_lens])
+    ragged = run_ragged(q[kv_lens > 0], k, v, cu_q_lens, kv_lens, page_table)
+    np.testing.assert_allclose(ragged, np.asarray(decode)[kv_lens > 0], rtol=RTOL, atol=ATOL)
+
+
+# -- padding never leaks into real rows -----------------------------------------------------
+
+
+def poison(rng, k, v, kv_lens, page_table) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """NaN in the null page and in every slot past a row's kv_len; junk ids past its pages.
+
+    Interpret mode clamps an out-of-range page id, so only a GPU would fault on one; here the
+    junk checks that those entries change nothing.
+    """
+    k, v, page_table = k.copy(), v.copy(), page_table.copy()
+    for x in (k, v):
+        x[:, 0] = np.nan
+        for row, n in enumerate(kv_lens):
+            if n % PAGE_SIZE:
+                x[:, page_table[row, n // PAGE_SIZE], n % PAGE_SIZE :] = np.nan
+    used = -(-kv_lens // PAGE_SIZE)
+    for row, n in enumerate(used):
+        page_table[row, n:] = rng.integers(-NUM_PAGES, 100 * NUM_PAGES, MAX_PAGES - n)
+    return k, v, page_table
+
+
+def test_decode_padding_and_stale_slots_do_not_leak():
+    rng = np.random.default_rng(11)
+    k, v = make_pool(rng, 2)
+    kv_lens = np.array(EDGE_KV_LENS, np.int32)
+    page_table = assign_pages(rng, kv_lens)
+    q = rng.standard_normal((len(kv_lens), 8, HEAD_DIM), np.float32)
+    clean = paged_attention(
+        q, k, v, kv_lens, page_table, scale=SCALE, pages_per_block=PAGES_PER_BLOCK,
+        interpret=True,
+    )
+    q_bad = q.copy()
+    q_bad[kv_lens == 0] = np.nan
+    k_bad, v_bad, table_bad = poison(rng, k, v, kv_lens, page_table)
+    dirty = np.asarray(paged_attention(
+        q_bad, k_bad, v_bad, kv_lens, table_bad, scale=SCALE, pages_per_block=PAGES_PER_BLOCK,
+        interpret=True,
+    ))
+    assert np.isfinite(dirty).all()
+    np.testing.assert_array_equal(dirty, np.asarray(clean))
+
+
+def test_ragged_padding_and_stale_slots_do_not_leak():
+    rng = np.random.default_rng(12)
+    k, v = make_pool(rng, 2)
+    cu_q_lens = cu_lens([q for q, _ in EDGE_ROWS])
+    kv_lens = np.array([kv for _, kv in EDGE_ROWS], np.int32)
+    page_table = assign_pages(rng, kv_lens)
+    q = rng.standard_normal((NUM_TOKENS, 6, HEAD_DIM), np.float32)
+    clean = run_ragged(q, k, v, cu_q_lens, kv_lens, page_table)
+    q_bad = q.copy()
+    q_bad[cu_q_lens[-1] :] = np.nan
+    k_bad, v_bad, table_bad = poison(rng, k, v, kv_lens, page_table)
+    dirty = run_ragged(q_bad, k_bad, v_bad, cu_q_lens, kv_lens, table_bad)
+    assert np.isfinite(dirty).all()
+    np.testing.assert_array_equal(dirty, clean)
+
+
+# -- input checks and lowering ------------------------------------------------------------
+
+
+def decode_args(num_heads=8, num_kv_heads=2, head_dim=HEAD_DIM, num_seqs=3):
+    f32, i32 = jnp.float32, jnp.int32
+    pool = jax.ShapeDtypeStruct((num_kv_heads, NUM_PAGES, PAGE_SIZE, head_dim), f32)
+    return [
+        jax.ShapeDtypeStruct((num_seqs, num_heads, HEAD_DIM), f32), pool, pool,
+        jax.ShapeDtypeStruct((num_seqs,), i32), jax.ShapeDtypeStruct((num_seqs, MAX_PAGES), i32),
+    ]
+
+
+def with_arg(args, i, shape, dtype=jnp.int32):
+    return [*args[:i], jax.ShapeDtypeStruct(shape, dtype), *args[i + 1 :]]
+
+
+BAD_DECODE = {
+    "heads": (decode_args(num_heads=12, num_kv_heads=5),
+              "q has 12 heads but k_pages has 5 KV heads: 12 is not a multiple of 5"),
+    "head_dim": (decode_args(head_dim=32), "q has head_dim 16 (shape (3, 8, 16)) but k_pages"),
+    "v_pages": (with_arg(decode_args(), 2, (2, NUM_PAGES, PAGE_SIZE, 8), jnp.float32),
+                "k_pages has shape (2, 64, 4, 16) but v_pages has shape (2, 64, 4, 8)"),
+    "kv_lens": (with_arg(decode_args(), 3, (4,)),
+                "kv_lens has shape (4,) but q has shape (3, 8, 16): expected [3]"),
+    "kv_lens_dtype": (with_arg(decode_args(), 3, (3,), jnp.float32), "kv_lens must be int32"),
+    "page_table": (with_arg(decode_args(), 4, (2, MAX_PAGES)),
+                   "page_table has shape (2, 16) but q has shape (3, 8, 16): expected [3, *]"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_DECODE, ids=list(BAD_DECODE))
+def test_decode_rejects_bad_shapes(case):
+    args, message = BAD_DECODE[case]
+    with pytest.raises(ValueError, match=re.escape(message)):
+        paged_attention.trace(*args, scale=SCALE, interpret=True)
+
+
+def test_ragged_rejects_bad_shapes():
+    q, k, v, kv_lens, page_table = decode_args()
+    cu_q_lens = jax.ShapeDtypeStruct((3,), jnp.int32)
+    with pytest.raises(ValueError, match=r"cu_q_lens has shape \(3,\) but kv_lens has shape"):
+        ragged_paged_attention.trace(q, k, v, cu_q_lens, kv_lens, page_table, scale=SCALE)
+    q12 = jax.ShapeDtypeStruct((3, 12, HEAD_DIM), jnp.float32)
+    k5 = jax.ShapeDtypeStruct((5, NUM_PAGES, PAGE_SIZE, HEAD_DIM), jnp.float32)
+    cu_q_lens = jax.ShapeDtypeStruct((4,), jnp.int32)
+    with pytest.raises(ValueError, match="12 is not a multiple of 5"):
+        ragged_paged_attention.trace(q12, k5, k5, cu_q_lens, kv_lens, page_table, scale=SCALE)
+
+
+def test_gpu_tiles_are_checked_unless_interpreting():
+    # 2 pages of 4 keys make an 8-key block: too small for a Triton dot
+    with pytest.raises(ValueError, match=r"pages_per_block \* page_size \(2 \* 4\) is 8"):
+        paged_attention.trace(*decode_args(), scale=SCALE, pages_per_block=2)
+
+
+@pytest.mark.parametrize(
+    ("num_heads", "num_kv_heads", "head_dim", "dtype"),
+    [(32, 8, 128, jnp.bfloat16), (6, 2, 64, jnp.float32)],
+    ids=["llama3-8b-bf16", "group3-f32"],
+)
+def test_kernels_lower_to_triton_for_cuda(num_heads, num_kv_heads, head_dim, dtype):
+    """Pallas -> Triton IR runs without a GPU: it catches what the Triton backend rejects."""
+    s = jax.ShapeDtypeStruct
+    pool = s((num_kv_heads, 65, 16, head_dim), dtype)
+    index = [s((4,), jnp.int32), s((4, 16), jnp.int32)]
+    decode = paged_attention.trace(
+        s((4, num_heads, head_dim), jnp.float32), pool, pool, *index, scale=0.1, num_kv_splits=2
+    ).lower(lowering_platforms=("cuda",))
+    ragged = ragged_paged_attention.trace(
+        s((40, num_heads, head_dim), jnp.float32), pool, pool, s((5,), jnp.int32), *index,
+        scale=0.1,
+    ).lower(lowering_platforms=("cuda",))
+    for lowered in (decode, ragged):
+        assert "xla.gpu.triton" in lowered.as_text()
+
+
+def test_gpu_check_cpu_smoke():
+    result = subprocess.run(
+        [sys.executable, "bench/gpu_check.py", "--cpu-smoke"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    header = next(line for line in result.stdout.splitlines() if line.startswith("kernel"))
+    assert header.split()[:3] == ["kernel", "batch", "context"] and "GB/s" in header
