@@ -5,6 +5,8 @@ import sys
 import time
 from pathlib import Path
 
+from jaxserve.attention import BACKENDS
+
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="jaxserve", description=__doc__)
@@ -30,9 +32,23 @@ def main(argv: list[str] | None = None) -> int:
 
     serve = commands.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
     serve.add_argument("--model", help="GGUF file, HF directory or converted checkpoint")
+    serve.add_argument("--served-model-name", help="the model id clients name (default: file)")
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument("--max-batch", type=int, default=16)
+    serve.add_argument("--api-key", help="require this bearer key (also the admin key)")
+    serve.add_argument("--api-keys-file", help="JSON: key -> {tenant, priority, limits, admin}")
+    serve.add_argument("--max-queue", type=int, help="fixed bound on queued requests")
+    serve.add_argument(
+        "--queue-wait-budget-ms",
+        type=float,
+        default=5000,
+        help="queue bound = this budget x measured admission rate (Little's law)",
+    )
+    serve.add_argument("--max-queued-tokens", type=int, default=65536)
+    serve.add_argument("--max-body-bytes", type=int, default=4 << 20)
+    serve.add_argument("--drain-timeout", type=float, default=30.0, help="seconds, on SIGTERM")
+    serve.add_argument("--default-max-tokens", type=int, default=256, help="chat default")
+    _engine_flags(serve)
 
     args = parser.parse_args(argv)
     return {"generate": _generate, "convert": _convert, "serve": _serve}[args.command](args)
@@ -73,10 +89,61 @@ def _convert(args: argparse.Namespace) -> int:
     return 0
 
 
-def _serve(args: argparse.Namespace) -> int:
-    from server.app import run
+def _engine_flags(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("engine")
+    group.add_argument("--max-batch", type=int, default=16)
+    group.add_argument("--num-pages", type=int, default=1024, help="KV pages incl. the null page")
+    group.add_argument("--page-size", type=int, default=16)
+    group.add_argument("--token-budget", type=int, default=256, help="tokens per step")
+    group.add_argument("--max-model-len", type=int)
+    group.add_argument("--dtype", default="float32")
+    group.add_argument("--attention-backend", choices=BACKENDS)
+    group.add_argument("--tpot-slo-ms", type=float, help="cap the batch so steps stay under 60%%")
+    group.add_argument("--compilation-cache-dir", default=".cache/jax")
+    group.add_argument("--stream-buffer", type=int, default=256, help="outputs per request")
 
-    run(model=args.model, host=args.host, port=args.port, max_batch=args.max_batch)
+
+def _engine_config(args: argparse.Namespace):
+    from jaxserve.config import EngineConfig
+
+    return EngineConfig(
+        page_size=args.page_size,
+        num_pages=args.num_pages,
+        max_batch=args.max_batch,
+        token_budget=args.token_budget,
+        max_model_len=args.max_model_len,
+        dtype=args.dtype,
+        attention_backend=args.attention_backend,
+        tpot_slo_ms=args.tpot_slo_ms,
+        compilation_cache_dir=args.compilation_cache_dir or None,
+        stream_capacity=args.stream_buffer,
+    )
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from server.admission import QueuePolicy
+    from server.app import ServerConfig, run
+
+    run(
+        ServerConfig(
+            model=args.model,
+            host=args.host,
+            port=args.port,
+            served_model_name=args.served_model_name,
+            api_key=args.api_key,
+            api_keys_file=args.api_keys_file,
+            queue=QueuePolicy(
+                max_queue=args.max_queue,
+                wait_budget_s=args.queue_wait_budget_ms / 1000,
+                min_queue=args.max_batch,
+                max_queued_tokens=args.max_queued_tokens,
+            ),
+            max_body_bytes=args.max_body_bytes,
+            drain_timeout_s=args.drain_timeout,
+            default_chat_max_tokens=args.default_max_tokens,
+            engine=_engine_config(args),
+        )
+    )
     return 0
 
 

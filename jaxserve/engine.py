@@ -5,10 +5,12 @@ in tests) turns a SchedulerOutput into sampled tokens. The loop never waits on a
 consumer: a request whose output buffer is full is cancelled, alone.
 """
 
+import asyncio
 import logging
 import random
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -23,6 +25,8 @@ from jaxserve.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
+RATE_WINDOW_S = 30.0  # window of the measured admission rate (Little's law, Retry-After)
+
 
 class Runner(Protocol):
     def execute(self, out: SchedulerOutput) -> StepResults:
@@ -34,7 +38,20 @@ class _Live:
     request: Request
     state: SequenceState
     stream: OutputStream
-    first_token_time: float | None = None
+    admitted_time: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class LiveRequest:
+    """One row of what the engine holds now, for operators (`/admin/requests`)."""
+
+    request_id: str
+    tenant: str
+    priority: int
+    phase: str  # queued, prefill or decode
+    pages: int
+    num_generated: int
+    age_seconds: float
 
 
 class Engine:
@@ -66,6 +83,7 @@ class Engine:
         self._stopping = False
         self._seed_rng = random.Random()
         self._ids = 0
+        self._admissions: deque[float] = deque()  # admission times within RATE_WINDOW_S
 
     # ---------------------------------------------------------------- client side
 
@@ -74,15 +92,23 @@ class Engine:
         prompt_ids: Sequence[int],
         params: SamplingParams,
         request_id: str | None = None,
+        tenant: str = "default",
+        priority: int = 0,
+        loop: asyncio.AbstractEventLoop | None = None,
     ) -> OutputStream:
-        """Queue a request (checked at once: RequestRejected if it can never run)."""
+        """Queue a request (checked at once: RequestRejected if it can never run).
+
+        Pass the asyncio `loop` of a consumer that reads the stream with `async for`.
+        """
         with self._lock:
             self._ids += 1
             request_id = request_id or f"req-{self._ids}"
             seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(31)
-        request = Request(request_id, tuple(prompt_ids), params, seed, time.monotonic())
+        request = Request(
+            request_id, tuple(prompt_ids), params, seed, time.monotonic(), tenant, priority
+        )
         self.scheduler.check(request)
-        stream = OutputStream(request_id, self.stream_capacity)
+        stream = OutputStream(request_id, self.stream_capacity, loop)
         state = SequenceState(list(prompt_ids), params, self.tokenizer, self.eos_token_ids)
         with self._lock:
             self.live[request_id] = _Live(request, state, stream)
@@ -105,6 +131,10 @@ class Engine:
         """One iteration: take in new and cancelled requests, schedule, run, emit."""
         self._take_inbox()
         out = self.scheduler.schedule()
+        now = time.monotonic()
+        for request_id in out.admitted:
+            self.live[request_id].admitted_time = now
+            self._admissions.append(now)
         if not out.chunks:
             return out
         start = time.perf_counter()
@@ -135,9 +165,8 @@ class Engine:
     def _emit(self, request_id: str, results: StepResults, row: int) -> None:
         live = self.live[request_id]
         token = int(results.tokens[row])
+        first = not live.state.output_ids
         text = live.state.append(token)
-        if live.first_token_time is None:
-            live.first_token_time = time.monotonic()
         logprobs = top = None
         n = live.request.params.logprobs
         if n is not None:
@@ -152,6 +181,7 @@ class Engine:
             len(live.request.prompt_ids),
             logprobs,
             top,
+            queue_seconds=live.admitted_time - live.request.arrival_time if first else None,
         )
         if not live.stream.push(output, force=output.finished):
             log.warning("output buffer of %s is full: cancelling it", request_id)
@@ -170,6 +200,45 @@ class Engine:
                 RequestOutput(request_id, (), "", reason, len(live.request.prompt_ids)),
                 force=True,
             )
+
+    # ---------------------------------------------------------------- for operators
+
+    def admission_rate(self) -> float:
+        """Requests admitted per second over the last RATE_WINDOW_S seconds."""
+        horizon = time.monotonic() - RATE_WINDOW_S
+        while self._admissions and self._admissions[0] < horizon:
+            self._admissions.popleft()
+        return len(self._admissions) / RATE_WINDOW_S
+
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting) + len(self._inbox)
+
+    def live_requests(self) -> list[LiveRequest]:
+        now = time.monotonic()
+        running = self.scheduler.running
+        rows = []
+        for request_id, live in list(self.live.items()):
+            seq = running.get(request_id)
+            phase = "queued" if seq is None else "prefill" if seq.in_prefill else "decode"
+            rows.append(
+                LiveRequest(
+                    request_id,
+                    live.request.tenant,
+                    live.request.priority,
+                    phase,
+                    len(seq.pages) if seq else 0,
+                    len(live.state.output_ids),
+                    now - live.request.arrival_time,
+                )
+            )
+        return rows
+
+    def oldest_waiting_age(self) -> float:
+        """Seconds the longest-waiting queued request has waited (0 when none waits)."""
+        waiting = list(self.scheduler.waiting) + list(self._inbox)
+        if not waiting:
+            return 0.0
+        return time.monotonic() - min(r.arrival_time for r in waiting)
 
     # ---------------------------------------------------------------- thread
 

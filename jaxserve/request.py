@@ -14,6 +14,8 @@ class Request:
     params: SamplingParams
     seed: int
     arrival_time: float = 0.0
+    tenant: str = "default"
+    priority: int = 0  # lower runs first (0 = interactive, 1 = batch)
 
     @property
     def max_total_tokens(self) -> int:

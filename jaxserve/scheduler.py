@@ -1,5 +1,10 @@
 """Iteration-level scheduling: every step, admit, plan chunks, pick the bucket (no jax).
 
+Admission order: the most urgent priority class first; inside it, the tenant with
+the fewest running sequences (fair share, so one tenant's flood cannot take every
+row); first come, first served inside a tenant. A request whose pages do not fit
+blocks those behind it rather than being overtaken forever.
+
 One progress rule covers prefill, chunked prefill and decode: a sequence's
 computed tokens catch up with its tokens. Each step a running sequence gets a
 chunk of its not-yet-computed tokens; when the chunk reaches its last token, the
@@ -7,7 +12,7 @@ step samples the next one. Admission reserves the request's maximum pages,
 ceil((prompt + max_tokens) / page_size), and never preempts a running sequence.
 """
 
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 
 from jaxserve.buckets import BucketTable
@@ -81,6 +86,7 @@ class Scheduler:
     running: dict[str, RunningSequence] = field(default_factory=dict)  # in admission order
     step_index: int = 0
     free_slots: list[int] = field(init=False)
+    running_per_tenant: Counter = field(default_factory=Counter)
 
     def __post_init__(self) -> None:
         if self.token_budget < self.max_batch:
@@ -118,6 +124,7 @@ class Scheduler:
         if seq is not None:
             self.allocator.free(request_id, seq.pages)
             self.free_slots.append(seq.slot)
+            self.running_per_tenant[seq.request.tenant] -= 1
             return
         self.waiting = deque(r for r in self.waiting if r.request_id != request_id)
 
@@ -141,14 +148,28 @@ class Scheduler:
         self.step_index += 1
         return out
 
+    def next_waiting(self) -> Request | None:
+        """The request admission takes next (see the module docstring)."""
+        best, best_key = None, None
+        seen_tenants = set()
+        for request in self.waiting:  # oldest first: each tenant's first request competes
+            if request.tenant in seen_tenants:
+                continue
+            seen_tenants.add(request.tenant)
+            key = (request.priority, self.running_per_tenant[request.tenant])
+            if best_key is None or key < best_key:
+                best, best_key = request, key
+        return best
+
     def _admit(self) -> tuple[str, ...]:
         admitted = []
         while self.waiting and len(self.running) < self.max_batch:
-            request = self.waiting[0]
+            request = self.next_waiting()
             need = self.pages_needed(request)
             if not self.allocator.can_allocate(need):
-                break  # first come, first served: nobody jumps the queue
-            self.waiting.popleft()
+                break  # it waits for pages; nobody overtakes it
+            self.waiting.remove(request)
+            self.running_per_tenant[request.tenant] += 1
             pages = self.allocator.allocate(request.request_id, need)
             self.running[request.request_id] = RunningSequence(
                 request,

@@ -23,6 +23,7 @@ class RequestOutput:
     num_prompt_tokens: int = 0
     logprobs: tuple[float, ...] | None = None  # of each new token, when asked for
     top_logprobs: tuple[dict[int, float], ...] | None = None  # alternatives per new token
+    queue_seconds: float | None = None  # on the first token: arrival to admission
 
     @property
     def finished(self) -> bool:
@@ -32,20 +33,21 @@ class RequestOutput:
 class OutputStream:
     """Bounded FIFO of RequestOutput; the last item pushed has `finished` set."""
 
-    def __init__(self, request_id: str, capacity: int = 64):
+    def __init__(
+        self,
+        request_id: str,
+        capacity: int = 64,
+        loop: asyncio.AbstractEventLoop | None = None,
+    ):
+        """With `loop`, an asyncio consumer on that loop reads it with `async for`."""
         self.request_id = request_id
         self.capacity = capacity
         self._items: deque[RequestOutput] = deque()
         self._lock = threading.Lock()
         self._ready = threading.Condition(self._lock)
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._async_ready: asyncio.Event | None = None
-        self._finished_read = False  # the consumer has taken the final item
-
-    def bind_loop(self, loop: asyncio.AbstractEventLoop) -> None:
-        """Deliver to asyncio consumers on `loop` (call from that loop, before reading)."""
         self._loop = loop
-        self._async_ready = asyncio.Event()
+        self._async_ready = asyncio.Event() if loop is not None else None
+        self._finished_read = False  # the consumer has taken the final item
 
     def push(self, item: RequestOutput, force: bool = False) -> bool:
         """Append without blocking; False if full (a final item may `force` its way in)."""

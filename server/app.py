@@ -1,127 +1,523 @@
-"""aiohttp app: OpenAI-compatible completions and chat completions over one model.
+"""The aiohttp server: OpenAI-compatible routes over one engine, with admission control.
 
-Generation runs on a worker thread so the event loop keeps answering (/health,
-/v1/models) while a batch is computed.
+The HTTP side never touches device arrays: it validates, admits (tenant limits,
+bounded queue) and submits to the engine, then reads each request's bounded
+output stream. The model loads and warms up after the port is open; /health
+answers 503 until then, and again while draining after SIGTERM.
 """
 
 import asyncio
+import dataclasses
+import logging
+import signal
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 
 import msgspec
 from aiohttp import web
 
-from jaxserve import LLM, SamplingParams
-from server.protocol import APIError, ChatCompletionRequest, CompletionRequest, decode
+from jaxserve.config import EngineConfig, SamplingParams
+from jaxserve.request import RequestRejected
+from jaxserve.stream import OutputStream, RequestOutput
+from server import openai_format as fmt
+from server.admission import QueuePolicy
+from server.metrics import Metrics
+from server.protocol import (
+    ROLES,
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    decode,
+    sampling_params,
+)
+from server.tenants import TenantPolicy, Tenants
+
+log = logging.getLogger("jaxserve.server")
 
 
-def build_app(llm: LLM, model_name: str) -> web.Application:
-    executor = ThreadPoolExecutor(max_workers=1)  # one generation at a time on the device
+@dataclass(frozen=True, slots=True)
+class ServerConfig:
+    """Everything `jaxserve serve` is told, built once from the command line."""
 
-    async def run(prompt, params: SamplingParams):
-        loop = asyncio.get_running_loop()
+    model: str | None = None
+    host: str = "127.0.0.1"
+    port: int = 8000
+    served_model_name: str | None = None
+    api_key: str | None = None
+    api_keys_file: str | None = None
+    queue: QueuePolicy = field(default_factory=QueuePolicy)
+    max_body_bytes: int = 4 << 20
+    drain_timeout_s: float = 30.0
+    default_chat_max_tokens: int = 256  # OpenAI's completions default (16) is kept as is
+    engine: EngineConfig = field(default_factory=EngineConfig)
+
+
+@dataclass
+class _Choice:
+    """One engine request behind one choice of an HTTP response."""
+
+    index: int
+    stream: OutputStream
+    prompt_ids: list[int]
+    outputs: list[RequestOutput] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None
+    ttft: float | None = None  # seconds from the HTTP request to the first token
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(o.token_ids) for o in self.outputs)
+
+
+class Server:
+    """Owns the LLM, its engine thread, tenants, queue policy and metrics."""
+
+    def __init__(self, config: ServerConfig):
+        self.config = config
+        self.tenants = Tenants.from_options(config.api_key, config.api_keys_file)
+        self.metrics = Metrics()
+        self.llm = None
+        self.model_name = config.served_model_name
+        self.ready = False
+        self.draining = False
+        self.load_error: str | None = None
+
+    # ---------------------------------------------------------------- lifecycle
+
+    def load(self) -> None:
+        """Load the model, compile every bucket, start the engine (on a worker thread)."""
+        from jaxserve.llm import LLM  # jax loads here, off the event loop
+
         try:
-            (out,) = await loop.run_in_executor(executor, llm.generate, prompt, params)
-        except ValueError as e:
-            raise APIError(400, str(e), param="prompt") from None
+            llm = LLM(self.config.model, self.config.engine, warmup=True)
+        except Exception as e:
+            log.exception("model failed to load")
+            self.load_error = str(e)
+            return
+        if self.model_name is None:
+            path = llm.model_path
+            self.model_name = path.stem if path.is_file() else path.name
+        llm.engine.on_step = lambda out, seconds: self.metrics.step_seconds.observe(seconds)
+        self.metrics.bind(llm.engine, llm.runner)
+        llm.engine.start()
+        self.llm = llm
+        self.ready = True
+        log.info("ready: %s, %d buckets compiled", self.model_name, len(llm.runner.step_times))
+
+    async def drain(self) -> None:
+        """Refuse new work (503), let live requests finish, cancel what is left."""
+        self.draining = True
+        if self.llm is None:
+            return
+        engine = self.llm.engine
+        deadline = time.monotonic() + self.config.drain_timeout_s
+        while engine.live and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        for request_id in list(engine.live):
+            engine.cancel(request_id)
+        while engine.live and time.monotonic() < deadline + 5:
+            await asyncio.sleep(0.05)
+
+    def stop(self) -> None:
+        if self.llm is not None:
+            self.llm.engine.stop()
+
+    # ---------------------------------------------------------------- checks
+
+    def _check_ready(self) -> None:
+        if self.draining:
+            raise APIError(503, "server is shutting down", code="draining")
+        if not self.ready:
+            raise APIError(503, "model is still loading", code="not_ready")
+
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise APIError(
+                404, f"model {model!r} does not exist", param="model", code="model_not_found"
+            )
+
+    def _prompt_ids(self, prompt) -> list[list[int]]:
+        """Completions `prompt` (string, strings, ids, lists of ids) as lists of ids."""
+        if prompt is None or prompt == "" or prompt == []:
+            raise APIError(400, "prompt must not be empty", param="prompt")
+        if isinstance(prompt, str) or all(isinstance(p, int) for p in prompt):
+            prompts = [prompt]
+        elif all(isinstance(p, str) for p in prompt) or all(isinstance(p, list) for p in prompt):
+            prompts = list(prompt)
+        else:
+            raise APIError(400, "prompt must be a string, strings, token ids or lists of ids",
+                           param="prompt")
+        vocab = self.llm.config.vocab_size
+        out = []
+        for p in prompts:
+            ids = self.llm.tokenizer.encode(p) if isinstance(p, str) else list(p)
+            if not ids:
+                raise APIError(400, "prompt must not be empty", param="prompt")
+            if any(not 0 <= t < vocab for t in ids):
+                raise APIError(400, f"prompt token ids must be in [0, {vocab})", param="prompt")
+            out.append(ids)
         return out
 
-    def sampling(req, max_tokens: int | None) -> SamplingParams:
-        if req.model not in (None, model_name):
-            raise APIError(404, f"model {req.model!r} does not exist", param="model")
-        if req.stream:
-            raise APIError(400, "stream is not supported yet", param="stream")
-        try:
-            return SamplingParams(
-                max_tokens=16 if max_tokens is None else max_tokens,
-                temperature=req.temperature,
-                top_p=req.top_p,
-                top_k=req.top_k,
-                seed=req.seed,
-                stop=req.stop or (),
-                ignore_eos=req.ignore_eos,
-                min_tokens=req.min_tokens,
-            )
-        except ValueError as e:
-            raise APIError(400, str(e)) from None
-
-    def usage(out) -> dict:
-        p, c = len(out.prompt_token_ids), len(out.token_ids)
-        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
-
-    async def completions(request: web.Request) -> web.Response:
-        req = decode(await request.read(), CompletionRequest)
-        out = await run(req.prompt, sampling(req, req.max_tokens))
-        reason = out.finish_reason
-        choice = {"index": 0, "text": out.text, "logprobs": None, "finish_reason": reason}
-        return _json(
-            {
-                "id": f"cmpl-{uuid.uuid4().hex}",
-                "object": "text_completion",
-                "created": int(time.time()),
-                "model": model_name,
-                "choices": [choice],
-                "usage": usage(out),
-            }
-        )
-
-    async def chat_completions(request: web.Request) -> web.Response:
-        req = decode(await request.read(), ChatCompletionRequest)
+    def _chat_prompt_ids(self, req: ChatCompletionRequest) -> list[int]:
         if not req.messages:
             raise APIError(400, "messages must not be empty", param="messages")
-        params = sampling(req, req.max_completion_tokens or req.max_tokens)
-        messages = [{"role": m.role, "content": m.content} for m in req.messages]
+        for i, m in enumerate(req.messages):
+            if m.role not in ROLES:
+                raise APIError(
+                    400,
+                    f"messages[{i}].role {m.role!r} must be one of {ROLES}",
+                    param=f"messages[{i}].role",
+                )
+        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
         try:
-            prompt = llm.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+            text = self.llm.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
         except ValueError as e:
             raise APIError(400, str(e), param="messages") from None
-        out = await run(prompt, params)
-        message = {"role": "assistant", "content": out.text}
-        choice = {"index": 0, "message": message, "finish_reason": out.finish_reason}
-        return _json(
-            {
-                "id": f"chatcmpl-{uuid.uuid4().hex}",
-                "object": "chat.completion",
-                "created": int(time.time()),
-                "model": model_name,
-                "choices": [choice],
-                "usage": usage(out),
-            }
+        return self.llm.tokenizer.encode(text, add_special_tokens=False)
+
+    def _check_context(self, prompts: list[list[int]], max_tokens: int, param: str) -> None:
+        limit = self.llm.scheduler.max_model_len
+        for ids in prompts:
+            if len(ids) >= limit:
+                raise APIError(
+                    400,
+                    f"prompt has {len(ids)} tokens; the context is {limit}",
+                    param=param,
+                    code="context_length_exceeded",
+                )
+            if len(ids) + max_tokens > limit:
+                raise APIError(
+                    400,
+                    f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds the "
+                    f"context of {limit} tokens",
+                    param="max_tokens",
+                    code="context_length_exceeded",
+                )
+
+    # ---------------------------------------------------------------- routes
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        self._check_ready()
+        policy = self.tenants.identify(request.headers)
+        req = decode(await request.read(), CompletionRequest)
+        self._check_model(req.model)
+        if req.echo and req.logprobs is not None:
+            raise APIError(
+                400, "echo with logprobs (prompt logprobs) is not supported yet", param="echo"
+            )
+        prompts = self._prompt_ids(req.prompt)
+        params = sampling_params(req, req.max_tokens, req.logprobs, default_max_tokens=16)
+        self._check_context(prompts, params.max_tokens, "prompt")
+        return await self._serve(request, policy, prompts, params, req, chat=False)
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        self._check_ready()
+        policy = self.tenants.identify(request.headers)
+        req = decode(await request.read(), ChatCompletionRequest)
+        self._check_model(req.model)
+        ids = self._chat_prompt_ids(req)
+        logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        max_tokens = req.max_completion_tokens or req.max_tokens
+        if max_tokens is None:
+            room = self.llm.scheduler.max_model_len - len(ids)
+            max_tokens = max(1, min(self.config.default_chat_max_tokens, room))
+        params = sampling_params(req, max_tokens, logprobs, default_max_tokens=max_tokens)
+        self._check_context([ids], params.max_tokens, "messages")
+        return await self._serve(request, policy, [ids], params, req, chat=True)
+
+    async def _serve(
+        self,
+        http: web.Request,
+        policy: TenantPolicy,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        req,
+        chat: bool,
+    ) -> web.StreamResponse:
+        engine = self.llm.engine
+        self.tenants.check_limits(policy, max(len(p) for p in prompts), params.max_tokens)
+        count = len(prompts) * req.n
+        try:
+            waiting = list(engine.scheduler.waiting)
+            self.config.queue.admit(
+                engine.num_waiting(),
+                sum(len(r.prompt_ids) for r in waiting),
+                count,
+                sum(len(p) for p in prompts) * req.n,
+                engine.admission_rate(),
+            )
+            self.tenants.acquire(policy, count)
+        except APIError as e:
+            self.metrics.requests_rejected.labels(e.body["error"]["code"] or "limit").inc()
+            raise
+        start = time.monotonic()
+        loop = asyncio.get_running_loop()
+        choices: list[_Choice] = []
+        try:
+            for ids in prompts:
+                for i in range(req.n):
+                    seed = None if params.seed is None else params.seed + i
+                    stream = engine.submit(
+                        ids,
+                        dataclasses.replace(params, seed=seed),
+                        tenant=policy.name,
+                        priority=policy.priority,
+                        loop=loop,
+                    )
+                    choices.append(_Choice(len(choices), stream, ids))
+            response_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+            usage_prompt = sum(len(p) for p in prompts)
+            if req.stream:
+                return await self._stream(
+                    http, response_id, choices, req, chat, start, usage_prompt
+                )
+            await asyncio.gather(*(self._pump(c, start) for c in choices))
+            return self._response(response_id, choices, req, chat, usage_prompt)
+        except RequestRejected as e:
+            self.metrics.requests_rejected.labels("too_long").inc()
+            raise APIError(400, str(e), param="max_tokens") from None
+        finally:
+            for c in choices:
+                if c.finish_reason is None:
+                    engine.cancel(c.stream.request_id)
+            self.tenants.release(policy, count)
+            for c in choices:
+                self._log_request(c, policy, start)
+
+    async def _pump(self, choice: _Choice, start: float, sink: asyncio.Queue | None = None):
+        """Read one engine stream to its end, observing latency metrics on the way."""
+        m = self.metrics
+        last = None
+        async for out in choice.stream:
+            now = time.monotonic()
+            if out.queue_seconds is not None:
+                m.request_queue_time.observe(out.queue_seconds)
+            if out.token_ids:
+                if last is None:
+                    choice.ttft = now - start
+                    m.time_to_first_token.observe(choice.ttft)
+                else:
+                    m.inter_token_latency.observe(now - last)
+                last = now
+                m.generation_tokens.inc(len(out.token_ids))
+            choice.outputs.append(out)
+            choice.text += out.text
+            if out.finished:
+                choice.finish_reason = out.finish_reason
+                m.e2e_request_latency.observe(now - start)
+                m.prompt_tokens.inc(len(choice.prompt_ids))
+                m.request_success.labels(out.finish_reason).inc()
+            if sink is not None:
+                await sink.put((choice, out))
+        if choice.finish_reason == "error":
+            raise APIError(500, "the engine failed while generating this request")
+
+    def _response(
+        self, response_id: str, choices: list[_Choice], req, chat: bool, prompt_tokens: int
+    ) -> web.Response:
+        tokenizer = self.llm.tokenizer
+        usage = fmt.usage(prompt_tokens, sum(c.num_tokens for c in choices))
+        body_choices = []
+        for c in choices:
+            if chat:
+                item = {
+                    "index": c.index,
+                    "message": {"role": "assistant", "content": c.text},
+                    "logprobs": None,
+                    "finish_reason": c.finish_reason,
+                }
+                if req.logprobs:
+                    item["logprobs"] = fmt.chat_logprobs(tokenizer, c.outputs)
+            else:
+                prefix = tokenizer.decode(c.prompt_ids) if req.echo else ""
+                item = {
+                    "index": c.index,
+                    "text": prefix + c.text,
+                    "logprobs": None,
+                    "finish_reason": c.finish_reason,
+                }
+                if req.logprobs is not None:
+                    item["logprobs"] = fmt.completion_logprobs(tokenizer, c.outputs, len(prefix))
+            body_choices.append(item)
+        build = fmt.chat_body if chat else fmt.completion_body
+        return _json(build(response_id, self.model_name, body_choices, usage))
+
+    async def _stream(
+        self,
+        http: web.Request,
+        response_id: str,
+        choices: list[_Choice],
+        req,
+        chat: bool,
+        start: float,
+        prompt_tokens: int,
+    ) -> web.StreamResponse:
+        tokenizer = self.llm.tokenizer
+        resp = web.StreamResponse(
+            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+        )
+        await resp.prepare(http)
+        sink: asyncio.Queue = asyncio.Queue()
+        pumps = [asyncio.create_task(self._pump(c, start, sink)) for c in choices]
+        chunk = fmt.chat_chunk if chat else fmt.completion_chunk
+        try:
+            for c in choices:
+                first = (
+                    {
+                        "index": c.index,
+                        "delta": {"role": "assistant", "content": ""},
+                        "logprobs": None,
+                        "finish_reason": None,
+                    }
+                    if chat
+                    else {
+                        "index": c.index,
+                        "text": tokenizer.decode(c.prompt_ids) if req.echo else "",
+                        "logprobs": None,
+                        "finish_reason": None,
+                    }
+                )
+                if chat or req.echo:
+                    await _send(resp, chunk(response_id, self.model_name, [first]))
+            done = 0
+            while done < len(choices):
+                choice, out = await sink.get()
+                done += out.finished
+                if out.finish_reason == "error":
+                    raise APIError(500, "the engine failed while generating this request")
+                if chat:
+                    item = {
+                        "index": choice.index,
+                        "delta": {"content": out.text} if out.text else {},
+                        "logprobs": None,
+                        "finish_reason": out.finish_reason,
+                    }
+                    if req.logprobs and out.token_ids:
+                        item["logprobs"] = fmt.chat_logprobs(tokenizer, [out])
+                else:
+                    item = {
+                        "index": choice.index,
+                        "text": out.text,
+                        "logprobs": None,
+                        "finish_reason": out.finish_reason,
+                    }
+                    if req.logprobs is not None and out.token_ids:
+                        item["logprobs"] = fmt.completion_logprobs(tokenizer, [out], 0)
+                if out.text or out.finished or item["logprobs"]:
+                    await _send(resp, chunk(response_id, self.model_name, [item]))
+            if req.stream_options is not None and req.stream_options.include_usage:
+                usage = fmt.usage(prompt_tokens, sum(c.num_tokens for c in choices))
+                await _send(resp, chunk(response_id, self.model_name, [], usage))
+            await resp.write(b"data: [DONE]\n\n")
+        except (ConnectionResetError, ConnectionError):
+            log.info("client of %s went away: cancelling", response_id)
+        finally:
+            for task in pumps:
+                task.cancel()
+        return resp
+
+    @staticmethod
+    def _log_request(c: _Choice, policy: TenantPolicy, start: float) -> None:
+        """One line per finished request; never the prompt text."""
+        ttft = "-" if c.ttft is None else f"{c.ttft:.3f}s"
+        log.info(
+            "request %s tenant=%s prompt_tokens=%d output_tokens=%d ttft=%s e2e=%.3fs finish=%s",
+            c.stream.request_id,
+            policy.name,
+            len(c.prompt_ids),
+            c.num_tokens,
+            ttft,
+            time.monotonic() - start,
+            c.finish_reason or "cancelled",
         )
 
-    async def models(request: web.Request) -> web.Response:
-        card = {"id": model_name, "object": "model", "created": 0, "owned_by": "jaxserve"}
+    async def models(self, request: web.Request) -> web.Response:
+        self._check_ready()
+        self.tenants.identify(request.headers)
+        card = {"id": self.model_name, "object": "model", "created": 0, "owned_by": "jaxserve"}
         return _json({"object": "list", "data": [card]})
 
-    async def health(request: web.Request) -> web.Response:
-        return web.Response(text="ok")
+    async def health(self, request: web.Request) -> web.Response:
+        if self.load_error:
+            return _json({"status": "failed", "error": self.load_error}, status=503)
+        if self.draining or not self.ready:
+            return _json({"status": "draining" if self.draining else "loading"}, status=503)
+        return _json({"status": "ok"})
 
-    @web.middleware
-    async def errors(request: web.Request, handler):
-        try:
-            return await handler(request)
-        except APIError as e:
-            return _json(e.body, status=e.status)
+    async def metrics_route(self, request: web.Request) -> web.Response:
+        return web.Response(body=self.metrics.render(), content_type="text/plain", charset="utf-8")
 
-    app = web.Application(middlewares=[errors])
-    app.router.add_post("/v1/completions", completions)
-    app.router.add_post("/v1/chat/completions", chat_completions)
-    app.router.add_get("/v1/models", models)
-    app.router.add_get("/health", health)
-    app.on_cleanup.append(lambda _: asyncio.to_thread(executor.shutdown))
-    return app
+    async def admin_requests(self, request: web.Request) -> web.Response:
+        self._check_ready()
+        if self.tenants.keys and not self.tenants.identify(request.headers).admin:
+            raise APIError(401, "an admin API key is needed", code="not_admin")
+        rows = [dataclasses.asdict(r) for r in self.llm.engine.live_requests()]
+        return _json({"object": "list", "data": rows})
 
 
-def _json(body: dict, status: int = 200) -> web.Response:
+async def _send(resp: web.StreamResponse, body: dict) -> None:
+    await resp.write(b"data: " + msgspec.json.encode(body) + b"\n\n")
+
+
+def _json(body: dict, status: int = 200, headers: dict | None = None) -> web.Response:
     return web.Response(
-        body=msgspec.json.encode(body), status=status, content_type="application/json"
+        body=msgspec.json.encode(body),
+        status=status,
+        headers=headers,
+        content_type="application/json",
     )
 
 
-def run(model: str | None, host: str, port: int, max_batch: int) -> None:
-    """Load the model, then serve until interrupted."""
-    llm = LLM(model=model, max_batch=max_batch)
-    name = llm.model_path.stem if llm.model_path.is_file() else llm.model_path.name
-    print(f"serving {name} on http://{host}:{port}", flush=True)
-    web.run_app(build_app(llm, name), host=host, port=port, print=None)
+@web.middleware
+async def _errors(request: web.Request, handler):
+    """Every error leaves as OpenAI's error object with the right status."""
+    try:
+        return await handler(request)
+    except APIError as e:
+        return _json(e.body, e.status, e.headers)
+    except web.HTTPRequestEntityTooLarge as e:
+        return _json(APIError(413, f"request body too large ({e.text})").body, 413)
+    except web.HTTPException as e:
+        if e.status < 400:
+            raise
+        return _json(APIError(e.status, e.reason).body, e.status)
+    except Exception:
+        log.exception("unhandled error on %s", request.path)
+        return _json(APIError(500, "internal server error").body, 500)
+
+
+def build_app(server: Server) -> web.Application:
+    app = web.Application(middlewares=[_errors], client_max_size=server.config.max_body_bytes)
+    app.router.add_post("/v1/completions", server.completions)
+    app.router.add_post("/v1/chat/completions", server.chat_completions)
+    app.router.add_get("/v1/models", server.models)
+    app.router.add_get("/health", server.health)
+    app.router.add_get("/metrics", server.metrics_route)
+    app.router.add_get("/admin/requests", server.admin_requests)
+    return app
+
+
+async def serve(config: ServerConfig) -> None:
+    """Open the port, load the model in the background, serve until SIGTERM/SIGINT, drain."""
+    server = Server(config)
+    runner = web.AppRunner(build_app(server), handler_cancellation=True, access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, config.host, config.port).start()
+    log.info("listening on http://%s:%d (loading the model)", config.host, config.port)
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    loader = loop.run_in_executor(None, server.load)
+    await stop.wait()
+    log.info("draining: refusing new requests, finishing live ones")
+    await server.drain()
+    await runner.cleanup()
+    await loader
+    server.stop()
+
+
+def run(config: ServerConfig) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    asyncio.run(serve(config))

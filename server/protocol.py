@@ -1,57 +1,167 @@
-"""OpenAI request schemas (msgspec) and the OpenAI error object.
+"""OpenAI request schemas (msgspec), their validation, and the OpenAI error object.
 
-Unknown fields are ignored, as OpenAI does; a wrong type or value is a 400 that
-names the parameter.
+Unknown fields are ignored, as OpenAI does. A wrong type or an out-of-range value
+is a 400 whose error names the parameter; nothing invalid reaches the engine.
 """
+
+import math
 
 import msgspec
 
+from jaxserve.config import MAX_LOGPROBS, SamplingParams
 
-class ChatMessage(msgspec.Struct, forbid_unknown_fields=False):
-    role: str
-    content: str
-
-
-class _SamplingFields(msgspec.Struct, forbid_unknown_fields=False):
-    model: str | None = None
-    max_tokens: int | None = None
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    ignore_eos: bool = False
-    min_tokens: int = 0
-    stream: bool = False
-    user: str | None = None
+MAX_N = 16  # choices per request
+MAX_STOP = 4  # stop strings per request, as OpenAI allows
+ROLES = ("system", "user", "assistant", "tool", "developer")
 
 
-class CompletionRequest(_SamplingFields):
-    prompt: str | list[int] = ""
-
-
-class ChatCompletionRequest(_SamplingFields):
-    messages: list[ChatMessage] = []
-    max_completion_tokens: int | None = None
+ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+    503: "service_unavailable",
+}
 
 
 class APIError(Exception):
-    """An error the client caused or must handle, rendered as OpenAI's error object."""
+    """An error for the client, rendered as OpenAI's error object with an HTTP status."""
 
     def __init__(
-        self, status: int, message: str, type_: str = "invalid_request_error", param=None
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
     ):
         super().__init__(message)
         self.status = status
-        self.body = {"error": {"message": message, "type": type_, "param": param, "code": None}}
+        self.headers = headers or {}
+        self.body = {
+            "error": {
+                "message": message,
+                "type": ERROR_TYPES.get(status, "server_error"),
+                "param": param,
+                "code": code,
+            }
+        }
+
+
+class StreamOptions(msgspec.Struct):
+    include_usage: bool = False
+
+
+class ContentPart(msgspec.Struct):
+    type: str
+    text: str = ""
+
+
+class ChatMessage(msgspec.Struct):
+    role: str
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(p.text for p in self.content if p.type == "text")
+        return self.content or ""
+
+
+class _Common(msgspec.Struct):
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    n: int = 1
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+
+
+class CompletionRequest(_Common):
+    # a string, strings, token ids or lists of token ids (msgspec allows one list type
+    # in a union, so the element kinds are checked when the prompt is encoded)
+    prompt: str | list[str | int | list[int]] | None = None
+    echo: bool = False
+    logprobs: int | None = None  # top alternatives per token (0-5 in OpenAI; up to 20 here)
+
+
+class ChatCompletionRequest(_Common):
+    messages: list[ChatMessage] = []
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
 
 
 def decode(body: bytes, kind: type[msgspec.Struct]) -> msgspec.Struct:
-    """Parse a JSON body into `kind`, or raise a 400 APIError naming what is wrong."""
+    """Parse a JSON body into `kind`, or raise a 400 that names the parameter at fault."""
     try:
         return msgspec.json.decode(body, type=kind)
     except msgspec.ValidationError as e:
-        param = str(e).rsplit("$.", 1)[-1].rstrip("`").split("[")[0] if "$." in str(e) else None
-        raise APIError(400, str(e), param=param) from None
-    except msgspec.DecodeError as e:
-        raise APIError(400, f"invalid JSON body: {e}") from None
+        text = str(e)
+        param = text.split("$.", 1)[1].rstrip("`") if "$." in text else None
+        raise APIError(400, f"invalid request: {text}", param=param) from None
+    except (msgspec.DecodeError, UnicodeDecodeError) as e:
+        raise APIError(400, f"request body is not valid JSON: {e}") from None
+
+
+def _check_number(name: str, value: float | None) -> None:
+    if value is not None and not math.isfinite(value):
+        raise APIError(400, f"{name} must be a finite number", param=name)
+
+
+def sampling_params(
+    req: _Common, max_tokens: int | None, logprobs: int | None, default_max_tokens: int
+) -> SamplingParams:
+    """SamplingParams from a request's fields, or a 400 naming the bad one."""
+    for name in (
+        "temperature",
+        "top_p",
+        "min_p",
+        "presence_penalty",
+        "frequency_penalty",
+        "repetition_penalty",
+    ):
+        _check_number(name, getattr(req, name))
+    if not 1 <= req.n <= MAX_N:
+        raise APIError(400, f"n must be between 1 and {MAX_N}, got {req.n}", param="n")
+    if max_tokens is not None and max_tokens < 1:
+        raise APIError(400, f"max_tokens must be at least 1, got {max_tokens}", param="max_tokens")
+    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    if len(stop) > MAX_STOP:
+        raise APIError(400, f"at most {MAX_STOP} stop sequences, got {len(stop)}", param="stop")
+    if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
+        raise APIError(400, f"logprobs must be between 0 and {MAX_LOGPROBS}", param="logprobs")
+    fields = {
+        "max_tokens": max_tokens if max_tokens is not None else default_max_tokens,
+        "temperature": 1.0 if req.temperature is None else req.temperature,
+        "top_p": 1.0 if req.top_p is None else req.top_p,
+        "top_k": 0 if req.top_k is None else req.top_k,
+        "min_p": 0.0 if req.min_p is None else req.min_p,
+        "presence_penalty": req.presence_penalty,
+        "frequency_penalty": req.frequency_penalty,
+        "repetition_penalty": req.repetition_penalty,
+        "logprobs": logprobs,
+        "seed": req.seed,
+        "stop": tuple(s for s in stop if s),
+        "stop_token_ids": tuple(req.stop_token_ids or ()),
+        "ignore_eos": req.ignore_eos,
+        "min_tokens": req.min_tokens,
+    }
+    try:
+        return SamplingParams(**fields)
+    except ValueError as e:
+        param = str(e).split(" ", 1)[0]
+        raise APIError(400, str(e), param=param if param in fields else None) from None

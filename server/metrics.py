@@ -1,0 +1,95 @@
+"""Prometheus metrics, named like vLLM's (`jaxserve:` prefix) so dashboards adapt.
+
+Gauges read the engine when scraped; histograms and counters are observed by the
+HTTP handlers and the engine's step callback, never inside device code.
+"""
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+
+
+class Metrics:
+    """Every metric of one server, in its own registry."""
+
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.num_requests_running = Gauge(
+            "jaxserve:num_requests_running", "Requests in the running batch", registry=r
+        )
+        self.num_requests_waiting = Gauge(
+            "jaxserve:num_requests_waiting", "Requests queued for admission", registry=r
+        )
+        self.kv_pages_total = Gauge("jaxserve:kv_pages_total", "Usable KV pages", registry=r)
+        self.kv_pages_free = Gauge(
+            "jaxserve:kv_pages_free", "KV pages on the free list", registry=r
+        )
+        self.kv_cache_usage_perc = Gauge(
+            "jaxserve:kv_cache_usage_perc", "Fraction of KV pages in use (0-1)", registry=r
+        )
+        self.oldest_waiting_seconds = Gauge(
+            "jaxserve:oldest_waiting_request_age_seconds",
+            "Age of the longest-waiting queued request (alert on this)",
+            registry=r,
+        )
+        self.time_to_first_token = Histogram(
+            "jaxserve:time_to_first_token_seconds", "TTFT", buckets=LATENCY_BUCKETS, registry=r
+        )
+        self.inter_token_latency = Histogram(
+            "jaxserve:inter_token_latency_seconds",
+            "Time between streamed tokens",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.e2e_request_latency = Histogram(
+            "jaxserve:e2e_request_latency_seconds",
+            "Arrival to last token",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.request_queue_time = Histogram(
+            "jaxserve:request_queue_time_seconds",
+            "Arrival to admission into the batch",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.step_seconds = Histogram(
+            "jaxserve:step_seconds", "Engine step time", buckets=LATENCY_BUCKETS, registry=r
+        )
+        self.prompt_tokens = Counter("jaxserve:prompt_tokens", "Prompt tokens", registry=r)
+        self.generation_tokens = Counter(
+            "jaxserve:generation_tokens", "Generated tokens", registry=r
+        )
+        self.request_success = Counter(
+            "jaxserve:request_success",
+            "Finished requests",
+            ["finished_reason"],
+            registry=r,
+        )
+        self.requests_rejected = Counter(
+            "jaxserve:requests_rejected", "Refused requests", ["reason"], registry=r
+        )
+        self.compiles_after_warmup = Gauge(
+            "jaxserve:compiles_after_warmup_total",
+            "XLA compiles after warm-up (a shape escaped the buckets)",
+            registry=r,
+        )
+        self.preemptions = Counter(
+            "jaxserve:preemptions", "Preempted sequences (0 by design)", registry=r
+        )
+        self.preemptions.inc(0)
+
+    def bind(self, engine, runner) -> None:
+        """Let the gauges read the live engine when scraped."""
+        scheduler = engine.scheduler
+        alloc = scheduler.allocator
+        self.num_requests_running.set_function(lambda: len(scheduler.running))
+        self.num_requests_waiting.set_function(engine.num_waiting)
+        self.kv_pages_total.set_function(lambda: alloc.num_usable)
+        self.kv_pages_free.set_function(lambda: alloc.num_free)
+        self.kv_cache_usage_perc.set_function(lambda: alloc.num_used / alloc.num_usable)
+        self.oldest_waiting_seconds.set_function(engine.oldest_waiting_age)
+        self.compiles_after_warmup.set_function(lambda: runner.compiles_after_warmup)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

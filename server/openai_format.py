@@ -1,0 +1,109 @@
+"""OpenAI response bodies and stream chunks for completions and chat completions."""
+
+import time
+
+from jaxserve.stream import RequestOutput
+from jaxserve.tokenizer import Tokenizer
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+def _token_text(tokenizer: Tokenizer, token_id: int) -> str:
+    return tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+def completion_logprobs(tokenizer: Tokenizer, outputs: list[RequestOutput], offset: int) -> dict:
+    """The legacy completions `logprobs` object for the tokens in `outputs`."""
+    tokens, token_logprobs, top, offsets = [], [], [], []
+    for out in outputs:
+        for token_id, lp, alternatives in zip(out.token_ids, out.logprobs, out.top_logprobs):
+            text = _token_text(tokenizer, token_id)
+            tokens.append(text)
+            token_logprobs.append(lp)
+            top.append({_token_text(tokenizer, i): v for i, v in alternatives.items()})
+            offsets.append(offset)
+            offset += len(text)
+    return {
+        "tokens": tokens,
+        "token_logprobs": token_logprobs,
+        "top_logprobs": top,
+        "text_offset": offsets,
+    }
+
+
+def chat_logprobs(tokenizer: Tokenizer, outputs: list[RequestOutput]) -> dict:
+    """The chat `logprobs` object: one entry per token with its top alternatives."""
+    content = []
+    for out in outputs:
+        for token_id, lp, alternatives in zip(out.token_ids, out.logprobs, out.top_logprobs):
+            text = _token_text(tokenizer, token_id)
+            content.append(
+                {
+                    "token": text,
+                    "logprob": lp,
+                    "bytes": list(text.encode()),
+                    "top_logprobs": [
+                        {
+                            "token": _token_text(tokenizer, i),
+                            "logprob": v,
+                            "bytes": list(_token_text(tokenizer, i).encode()),
+                        }
+                        for i, v in alternatives.items()
+                    ],
+                }
+            )
+    return {"content": content}
+
+
+def completion_body(request_id: str, model: str, choices: list[dict], usage_: dict) -> dict:
+    return {
+        "id": request_id,
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": choices,
+        "usage": usage_,
+    }
+
+
+def chat_body(request_id: str, model: str, choices: list[dict], usage_: dict) -> dict:
+    return {
+        "id": request_id,
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": choices,
+        "usage": usage_,
+    }
+
+
+def completion_chunk(request_id: str, model: str, choices: list[dict], usage_=None) -> dict:
+    body = {
+        "id": request_id,
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": choices,
+    }
+    if usage_ is not None:
+        body["usage"] = usage_
+    return body
+
+
+def chat_chunk(request_id: str, model: str, choices: list[dict], usage_=None) -> dict:
+    body = {
+        "id": request_id,
+        "object": "chat.completion.chunk",
+        "created": int(time.time()),
+        "model": model,
+        "choices": choices,
+    }
+    if usage_ is not None:
+        body["usage"] = usage_
+    return body
