@@ -11,20 +11,21 @@ from dataclasses import dataclass, field
 
 import jax
 
+from jaxserve.config import ATTENTION_BACKENDS
 from jaxserve.kv_cache import KVCache
 from jaxserve.pallas_kernels.blocked_jnp import blocked_paged_attention
 from jaxserve.pallas_kernels.ragged_attention import ragged_paged_attention
 from jaxserve.pallas_kernels.reference import ragged_paged_attention_reference
-
-BACKENDS = ("pallas", "pallas-interpret", "xla", "reference")
 
 
 def select_backend(requested: str | None = None) -> str:
     """`requested` if given (validated), else Pallas on accelerators and XLA on CPU."""
     if requested is None:
         return "pallas" if jax.default_backend() == "gpu" else "xla"
-    if requested not in BACKENDS:
-        raise ValueError(f"attention backend must be one of {BACKENDS}, got {requested!r}")
+    if requested not in ATTENTION_BACKENDS:
+        raise ValueError(
+            f"attention backend must be one of {ATTENTION_BACKENDS}, got {requested!r}"
+        )
     return requested
 
 

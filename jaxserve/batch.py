@@ -32,6 +32,7 @@ class Chunk:
     slot: int | None = None  # penalty slot; None: the spare slot
     is_prompt: bool = True  # the tokens are prompt tokens (not yet counted as output)
     samples: bool = True  # the chunk ends at the sequence's last token
+    first: bool = True  # the sequence's first chunk: its penalty slot starts clean
 
 
 def pack_step(
@@ -98,7 +99,7 @@ def pack_step(
         seeds=np.array([c.seed for c in rows], np.uint32),
         counters=np.array([c.num_generated for c in rows], np.int32),
         slots=np.array([spare_slot if c.slot is None else c.slot for c in rows], np.int32),
-        first_chunk=np.array([c.start == 0 and c.slot is not None for c in rows], bool),
+        first_chunk=np.array([c.first and c.slot is not None for c in rows], bool),
         samples=np.array([c.samples and c.slot is not None for c in rows], bool),
         prompt_slots=prompt_slots,
     )

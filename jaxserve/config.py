@@ -43,6 +43,7 @@ class ModelConfig:
 
 
 MAX_LOGPROBS = 20  # alternatives per token, as the OpenAI API allows
+ATTENTION_BACKENDS = ("pallas", "pallas-interpret", "xla", "reference")  # see attention.py
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,6 +113,7 @@ class EngineConfig:
     tpot_slo_ms: float | None = None
     compilation_cache_dir: str | None = None
     stream_capacity: int = 64  # outputs buffered per request before it is cancelled
+    prefix_caching: bool = True  # reuse cached full pages of earlier prompts
     debug_checks: bool = False  # verify page ownership every step (tests turn it on)
 
     def __post_init__(self) -> None:

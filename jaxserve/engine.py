@@ -95,6 +95,7 @@ class Engine:
         tenant: str = "default",
         priority: int = 0,
         loop: asyncio.AbstractEventLoop | None = None,
+        cache_salt: str = "",
     ) -> OutputStream:
         """Queue a request (checked at once: RequestRejected if it can never run).
 
@@ -105,7 +106,14 @@ class Engine:
             request_id = request_id or f"req-{self._ids}"
             seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(31)
         request = Request(
-            request_id, tuple(prompt_ids), params, seed, time.monotonic(), tenant, priority
+            request_id,
+            tuple(prompt_ids),
+            params,
+            seed,
+            time.monotonic(),
+            tenant,
+            priority,
+            cache_salt,
         )
         self.scheduler.check(request)
         stream = OutputStream(request_id, self.stream_capacity, loop)

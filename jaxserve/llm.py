@@ -80,6 +80,7 @@ class LLM:
             max_batch,
             max_model_len,
             cfg.token_budget,
+            cfg.prefix_caching,
         )
         eos = self.config.eos_token_ids or self.tokenizer.eos_token_ids
         self.engine = Engine(

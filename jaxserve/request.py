@@ -16,6 +16,7 @@ class Request:
     arrival_time: float = 0.0
     tenant: str = "default"
     priority: int = 0  # lower runs first (0 = interactive, 1 = batch)
+    cache_salt: str = ""  # prefix-cache key space: the tenant when tenants are isolated
 
     @property
     def max_total_tokens(self) -> int:

@@ -101,6 +101,7 @@ class ModelRunner:
                 slot=c.seq.slot,
                 is_prompt=c.seq.in_prefill,
                 samples=c.samples,
+                first=c.first,
             )
             for c in out.chunks
         ]

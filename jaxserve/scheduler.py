@@ -5,6 +5,12 @@ the fewest running sequences (fair share, so one tenant's flood cannot take ever
 row); first come, first served inside a tenant. A request whose pages do not fit
 blocks those behind it rather than being overtaken forever.
 
+Prefix caching: a new request reuses every leading full page of its prompt that
+is already cached (for its cache salt) and prefills only the rest. At least one
+prompt token is always computed, since the step needs logits to sample from, so
+a prompt made only of cached full pages recomputes its last page into a private
+one. Full pages are registered as cached content once their K/V are computed.
+
 One progress rule covers prefill, chunked prefill and decode: a sequence's
 computed tokens catch up with its tokens. Each step a running sequence gets a
 chunk of its not-yet-computed tokens; when the chunk reaches its last token, the
@@ -16,7 +22,7 @@ from collections import Counter, deque
 from dataclasses import dataclass, field
 
 from jaxserve.buckets import BucketTable
-from jaxserve.page_allocator import PageAllocator
+from jaxserve.page_allocator import PageAllocator, page_keys
 from jaxserve.request import Request, RequestRejected
 
 
@@ -30,6 +36,8 @@ class RunningSequence:
     token_ids: list[int]  # prompt, then every token sampled so far
     num_computed: int = 0  # tokens whose K/V are in the cache
     admitted_step: int = 0
+    num_cached_tokens: int = 0  # prompt tokens reused from the prefix cache
+    num_registered_pages: int = 0  # leading full pages recorded as cached content
 
     @property
     def request_id(self) -> str:
@@ -51,6 +59,11 @@ class ScheduledChunk:
     seq: RunningSequence
     start: int  # position of token_ids[0]
     token_ids: tuple[int, ...]
+
+    @property
+    def first(self) -> bool:
+        """The sequence's first computed chunk (after any cached prefix)."""
+        return self.start == self.seq.num_cached_tokens
 
     @property
     def samples(self) -> bool:
@@ -82,11 +95,14 @@ class Scheduler:
     max_batch: int
     max_model_len: int
     token_budget: int = 512
+    prefix_caching: bool = True
     waiting: deque[Request] = field(default_factory=deque)
     running: dict[str, RunningSequence] = field(default_factory=dict)  # in admission order
     step_index: int = 0
     free_slots: list[int] = field(init=False)
     running_per_tenant: Counter = field(default_factory=Counter)
+    prefix_queries: int = 0  # prompt tokens looked up in the prefix cache
+    prefix_hits: int = 0  # of which found cached
 
     def __post_init__(self) -> None:
         if self.token_budget < self.max_batch:
@@ -165,21 +181,40 @@ class Scheduler:
         admitted = []
         while self.waiting and len(self.running) < self.max_batch:
             request = self.next_waiting()
-            need = self.pages_needed(request)
+            cached = self._cached_prefix(request)
+            self.allocator.share(request.request_id, cached)  # held now: never evicted below
+            need = self.pages_needed(request) - len(cached)
             if not self.allocator.can_allocate(need):
+                self.allocator.free(request.request_id, cached)
                 break  # it waits for pages; nobody overtakes it
             self.waiting.remove(request)
             self.running_per_tenant[request.tenant] += 1
-            pages = self.allocator.allocate(request.request_id, need)
+            pages = cached + self.allocator.allocate(request.request_id, need)
+            num_cached = len(cached) * self.page_size
+            self.prefix_queries += len(request.prompt_ids)
+            self.prefix_hits += num_cached
             self.running[request.request_id] = RunningSequence(
                 request,
                 pages,
                 self.free_slots.pop(),
                 list(request.prompt_ids),
+                num_computed=num_cached,
                 admitted_step=self.step_index,
+                num_cached_tokens=num_cached,
+                num_registered_pages=len(cached),
             )
             admitted.append(request.request_id)
         return tuple(admitted)
+
+    def _cached_prefix(self, request: Request) -> list[int]:
+        """Cached pages of the request's leading full prompt pages, leaving one token to run."""
+        # The repetition penalty needs every prompt token in the step's inputs.
+        if not self.prefix_caching or request.params.repetition_penalty != 1.0:
+            return []
+        usable = (len(request.prompt_ids) - 1) // self.page_size
+        keys = page_keys(request.prompt_ids[: usable * self.page_size], self.page_size,
+                         request.cache_salt)
+        return self.allocator.match_prefix(keys)
 
     @staticmethod
     def _chunk(seq: RunningSequence, n: int) -> ScheduledChunk:
@@ -189,21 +224,44 @@ class Scheduler:
     def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> None:
         """Advance computed counts and append each sampled token (by request id)."""
         for chunk in out.chunks:
-            chunk.seq.num_computed += len(chunk.token_ids)
-            if chunk.samples and chunk.seq.request_id in sampled:
-                chunk.seq.token_ids.append(sampled[chunk.seq.request_id])
+            seq = chunk.seq
+            seq.num_computed += len(chunk.token_ids)
+            if chunk.samples and seq.request_id in sampled:
+                seq.token_ids.append(sampled[seq.request_id])
+            if self.prefix_caching:
+                self._register_full_pages(seq)
+
+    def _register_full_pages(self, seq: RunningSequence) -> None:
+        """Record each newly completed full page as cached content, for later requests."""
+        full = seq.num_computed // self.page_size
+        if full <= seq.num_registered_pages:
+            return
+        keys = page_keys(seq.token_ids[: full * self.page_size], self.page_size,
+                         seq.request.cache_salt)
+        for i in range(seq.num_registered_pages, full):
+            self.allocator.register(seq.pages[i], keys[i])
+        seq.num_registered_pages = full
 
     def check_invariants(self) -> None:
         """Assert the page books balance: each page owned once, by the sequence holding it."""
-        held = [page for seq in self.running.values() for page in seq.pages]
-        if len(held) != len(set(held)):
-            raise AssertionError("a page is owned by two sequences")
+        alloc = self.allocator
+        private = [
+            page
+            for seq in self.running.values()
+            for page in seq.pages[seq.num_registered_pages :]
+        ]
+        if len(private) != len(set(private)):
+            raise AssertionError("a private page is owned by two sequences")
+        held = set()
         for seq in self.running.values():
+            if len(set(seq.pages)) != len(seq.pages):
+                raise AssertionError(f"{seq.request_id} holds a page twice")
             for page in seq.pages:
-                if self.allocator.owner_of(page) != seq.request_id:
+                if seq.request_id not in alloc.owners_of(page):
                     raise AssertionError(f"page {page} of {seq.request_id} is not booked to it")
-        if self.allocator.num_free + len(held) != self.allocator.num_usable:
+                held.add(page)
+        if alloc.num_free + alloc.num_cached + len(held) != alloc.num_usable:
             raise AssertionError(
-                f"{self.allocator.num_free} free + {len(held)} held != "
-                f"{self.allocator.num_usable} pages"
+                f"{alloc.num_free} free + {alloc.num_cached} cached + {len(held)} held != "
+                f"{alloc.num_usable} pages"
             )

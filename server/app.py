@@ -50,6 +50,7 @@ class ServerConfig:
     max_body_bytes: int = 4 << 20
     drain_timeout_s: float = 30.0
     default_chat_max_tokens: int = 256  # OpenAI's completions default (16) is kept as is
+    shared_prefix_cache: bool = False  # with API keys, each tenant has its own prefix cache
     engine: EngineConfig = field(default_factory=EngineConfig)
 
 
@@ -175,6 +176,13 @@ class Server:
         except ValueError as e:
             raise APIError(400, str(e), param="messages") from None
         return self.llm.tokenizer.encode(text, add_special_tokens=False)
+
+    def _cache_salt(self, policy: TenantPolicy) -> str:
+        """Tenants configured by key get their own prefix-cache key space, so none can
+        probe another's prompts by timing (unless --shared-prefix-cache)."""
+        if self.tenants.keys and not self.config.shared_prefix_cache:
+            return policy.name
+        return ""
 
     def _check_context(self, prompts: list[list[int]], max_tokens: int, param: str) -> None:
         limit = self.llm.scheduler.max_model_len

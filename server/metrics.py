@@ -5,6 +5,7 @@ HTTP handlers and the engine's step callback, never inside device code.
 """
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
@@ -69,18 +70,17 @@ class Metrics:
         self.requests_rejected = Counter(
             "jaxserve:requests_rejected", "Refused requests", ["reason"], registry=r
         )
-        self.compiles_after_warmup = Gauge(
-            "jaxserve:compiles_after_warmup_total",
-            "XLA compiles after warm-up (a shape escaped the buckets)",
-            registry=r,
-        )
         self.preemptions = Counter(
             "jaxserve:preemptions", "Preempted sequences (0 by design)", registry=r
         )
-        self.preemptions.inc(0)
+        self.kv_pages_cached = Gauge(
+            "jaxserve:kv_pages_cached",
+            "Cached KV pages no running request owns (evictable)",
+            registry=r,
+        )
 
     def bind(self, engine, runner) -> None:
-        """Let the gauges read the live engine when scraped."""
+        """Let the gauges and engine-kept counters read the live engine when scraped."""
         scheduler = engine.scheduler
         alloc = scheduler.allocator
         self.num_requests_running.set_function(lambda: len(scheduler.running))
@@ -89,7 +89,36 @@ class Metrics:
         self.kv_pages_free.set_function(lambda: alloc.num_free)
         self.kv_cache_usage_perc.set_function(lambda: alloc.num_used / alloc.num_usable)
         self.oldest_waiting_seconds.set_function(engine.oldest_waiting_age)
-        self.compiles_after_warmup.set_function(lambda: runner.compiles_after_warmup)
+        self.kv_pages_cached.set_function(lambda: alloc.num_cached)
+        self.registry.register(_EngineCounters(scheduler, runner))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _EngineCounters:
+    """Counters the engine keeps itself, exposed as Prometheus counters at scrape time."""
+
+    def __init__(self, scheduler, runner) -> None:
+        self.scheduler = scheduler
+        self.runner = runner
+
+    def collect(self):
+        for name, doc, value in (
+            (
+                "jaxserve:prefix_cache_queries",
+                "Prompt tokens looked up in the prefix cache",
+                self.scheduler.prefix_queries,
+            ),
+            (
+                "jaxserve:prefix_cache_hits",
+                "Prompt tokens found in the prefix cache",
+                self.scheduler.prefix_hits,
+            ),
+            (
+                "jaxserve:compiles_after_warmup",
+                "XLA compiles after warm-up (a shape escaped the buckets)",
+                self.runner.compiles_after_warmup,
+            ),
+        ):
+            yield CounterMetricFamily(name, doc, value=value)

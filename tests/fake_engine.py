@@ -48,6 +48,7 @@ def make_engine(
     token_budget: int = 16,
     max_model_len: int = 64,
     stream_capacity: int = 64,
+    prefix_caching: bool = True,
 ) -> tuple[Engine, FakeRunner]:
     runner = FakeRunner()
     scheduler = Scheduler(
@@ -57,6 +58,7 @@ def make_engine(
         max_batch,
         max_model_len,
         token_budget,
+        prefix_caching,
     )
     engine = Engine(
         runner, scheduler, word_tokenizer(), (EOS,), stream_capacity, debug_checks=True

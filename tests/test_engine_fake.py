@@ -22,7 +22,9 @@ def plan(out) -> list[tuple[str, int, tuple[int, ...]]]:
 
 
 def test_admission_chunks_pages_and_frees_step_by_step():
-    engine, _ = make_engine(num_pages=9, page_size=4, max_batch=2, token_budget=8)
+    engine, _ = make_engine(
+        num_pages=9, page_size=4, max_batch=2, token_budget=8, prefix_caching=False
+    )
     sched, alloc = engine.scheduler, engine.scheduler.allocator
     params = SamplingParams(max_tokens=3, ignore_eos=True)
     a = engine.submit(list(range(10, 20)), params, "a")  # 10 prompt + 3 = 13 → 4 pages
@@ -114,7 +116,8 @@ def test_a_full_output_buffer_cancels_that_request_only():
     assert len(fast_tokens) == 20
     items = [slow.get(timeout=0) for _ in range(len(slow))]
     assert items[-1].finish_reason == "abort" and len(items) == 3
-    assert engine.scheduler.allocator.num_free == engine.scheduler.allocator.num_usable
+    alloc = engine.scheduler.allocator
+    assert alloc.num_used == 0 and alloc.num_free + alloc.num_cached == alloc.num_usable
 
 
 def test_requests_that_can_never_fit_are_rejected_at_once():
@@ -146,7 +149,48 @@ def test_random_mix_of_finish_cancel_reject_returns_every_page():
     while engine.has_work():
         engine.step()
     alloc = engine.scheduler.allocator
-    assert alloc.num_free == alloc.num_usable
+    assert alloc.num_used == 0 and alloc.num_free + alloc.num_cached == alloc.num_usable
     assert not engine.live
     for stream in streams:
         assert drain(stream)[2] in ("stop", "length", "abort")
+
+
+def test_a_cached_prefix_is_reused_and_only_the_rest_is_prefilled():
+    engine, runner = make_engine(num_pages=33, page_size=4, max_batch=4, token_budget=16)
+    system = list(range(10, 22))  # 3 full pages
+    params = SamplingParams(max_tokens=2, ignore_eos=True)
+    first = engine.submit(system + [50, 51], params, "first")
+    while engine.has_work():
+        engine.step()
+    pages_of_first = runner.steps[0].chunks[0].seq.pages
+    second = engine.submit(system + [60], params, "second")
+    out = engine.step()
+    seq = engine.scheduler.running["second"]
+    assert seq.pages[:3] == pages_of_first[:3]  # the system prompt's pages, shared
+    assert plan(out) == [("second", 12, (60,))]  # only the question is prefilled
+    assert engine.scheduler.prefix_hits == 12
+    while engine.has_work():
+        engine.step()
+    assert drain(first)[0] == [52, 53] and drain(second)[0] == [61, 62]
+
+    # a prompt of cached full pages only: its last page is recomputed (logits needed)
+    third = engine.submit(system, params, "third")
+    out = engine.step()
+    assert plan(out) == [("third", 8, (18, 19, 20, 21))]
+    while engine.has_work():
+        engine.step()
+    assert drain(third)[0] == [22, 23]
+    alloc = engine.scheduler.allocator
+    assert alloc.num_used == 0 and alloc.num_free + alloc.num_cached == alloc.num_usable
+
+
+def test_cache_salt_keeps_tenants_apart():
+    engine, _ = make_engine(page_size=4)
+    params = SamplingParams(max_tokens=1, ignore_eos=True)
+    prompt = list(range(10, 19))
+    for request_id, salt, reused in [("a", "A", 0), ("a2", "A", 8), ("b", "B", 0)]:
+        engine.submit(prompt, params, request_id, tenant=salt, cache_salt=salt)
+        out = engine.step()
+        assert plan(out)[0][1] == reused, request_id
+        while engine.has_work():
+            engine.step()
