@@ -1,11 +1,11 @@
-"""The `jaxserve` command: generate, convert, serve."""
+"""The `jaxserve` command: generate, convert, serve, plan."""
 
 import argparse
 import sys
 import time
 from pathlib import Path
 
-from jaxserve.attention import BACKENDS
+from jaxserve.config import ATTENTION_BACKENDS
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -48,10 +48,18 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--max-body-bytes", type=int, default=4 << 20)
     serve.add_argument("--drain-timeout", type=float, default=30.0, help="seconds, on SIGTERM")
     serve.add_argument("--default-max-tokens", type=int, default=256, help="chat default")
+    serve.add_argument(
+        "--shared-prefix-cache",
+        action="store_true",
+        help="one prefix cache for all tenants (default with API keys: one per tenant)",
+    )
     _engine_flags(serve)
 
+    _plan_flags(commands.add_parser("plan", help="size a deployment: KV pool, batch, replicas"))
+
     args = parser.parse_args(argv)
-    return {"generate": _generate, "convert": _convert, "serve": _serve}[args.command](args)
+    run = {"generate": _generate, "convert": _convert, "serve": _serve, "plan": _plan}
+    return run[args.command](args)
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -97,10 +105,11 @@ def _engine_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--token-budget", type=int, default=256, help="tokens per step")
     group.add_argument("--max-model-len", type=int)
     group.add_argument("--dtype", default="float32")
-    group.add_argument("--attention-backend", choices=BACKENDS)
+    group.add_argument("--attention-backend", choices=ATTENTION_BACKENDS)
     group.add_argument("--tpot-slo-ms", type=float, help="cap the batch so steps stay under 60%%")
     group.add_argument("--compilation-cache-dir", default=".cache/jax")
     group.add_argument("--stream-buffer", type=int, default=256, help="outputs per request")
+    group.add_argument("--no-prefix-cache", action="store_true", help="never reuse KV pages")
 
 
 def _engine_config(args: argparse.Namespace):
@@ -117,6 +126,7 @@ def _engine_config(args: argparse.Namespace):
         tpot_slo_ms=args.tpot_slo_ms,
         compilation_cache_dir=args.compilation_cache_dir or None,
         stream_capacity=args.stream_buffer,
+        prefix_caching=not args.no_prefix_cache,
     )
 
 
@@ -141,9 +151,87 @@ def _serve(args: argparse.Namespace) -> int:
             max_body_bytes=args.max_body_bytes,
             drain_timeout_s=args.drain_timeout,
             default_chat_max_tokens=args.default_max_tokens,
+            shared_prefix_cache=args.shared_prefix_cache,
             engine=_engine_config(args),
         )
     )
+    return 0
+
+
+def _plan_flags(plan: argparse.ArgumentParser) -> None:
+    dtypes = ("bf16", "fp8", "int8", "int4")
+    plan.add_argument("--model", required=True, help="preset or config.json (or its directory)")
+    plan.add_argument("--weight-dtype", choices=dtypes, default="bf16")
+    plan.add_argument("--kv-dtype", choices=dtypes, default="bf16")
+    plan.add_argument(
+        "--compute-dtype",
+        choices=dtypes[:3],
+        default="bf16",
+        help="matmul activations: bf16 = weight-only quantization at the bf16 rate",
+    )
+    plan.add_argument("--chip", default="H100", help="H100, H200, A100, v5e, v6e or custom")
+    plan.add_argument("--num-chips", type=int, default=1, help="chips per replica")
+    plan.add_argument("--hbm-gb", type=float, help="per chip; overrides the preset")
+    plan.add_argument("--hbm-tbps", type=float, help="per chip; overrides the preset")
+    plan.add_argument("--tflops", type=float, help="dense, per chip, every dtype")
+    plan.add_argument("--context", type=int, default=2048, help="tokens: prompt + output")
+    plan.add_argument("--output-tokens", type=int, default=256)
+    plan.add_argument("--ttft-slo-ms", type=float, default=1000.0)
+    plan.add_argument("--tpot-slo-ms", type=float, default=50.0)
+    plan.add_argument("--queue-budget-ms", type=float, help="default: TTFT SLO minus a prefill")
+    plan.add_argument("--arrival-rate", type=float, help="requests/s, for the replica count")
+    plan.add_argument(
+        "--efficiency",
+        type=float,
+        help="real step / roofline step (default 2.5: real engines land at 2-3x)",
+    )
+    plan.add_argument(
+        "--calibrate",
+        metavar="JSON",
+        help="bench/roofline.py result: its measured_over_roofline.median replaces --efficiency",
+    )
+    plan.add_argument("--kv-cap", type=float, default=0.95, help="usable fraction of free HBM")
+    plan.add_argument("--activation-gb", type=float, default=5.0, help="reserved per chip")
+    plan.add_argument("--json", action="store_true", help="print the plan as JSON")
+
+
+def _plan(args: argparse.Namespace) -> int:
+    import json
+
+    from jaxserve import planner
+
+    try:
+        if args.calibrate:
+            efficiency = planner.efficiency_from_calibration(args.calibrate)
+            source = f"calibrated: measured / roofline in {args.calibrate}"
+        elif args.efficiency is not None:
+            efficiency, source = args.efficiency, "given"
+        else:
+            efficiency = planner.DEFAULT_EFFICIENCY
+            source = "default: real engines land at 2–3× the roofline"
+        inputs = planner.PlanInputs(
+            model=planner.load_model(args.model),
+            chip=planner.load_chip(args.chip, args.hbm_gb, args.hbm_tbps, args.tflops),
+            num_chips=args.num_chips,
+            weight_dtype=args.weight_dtype,
+            kv_dtype=args.kv_dtype,
+            compute_dtype=args.compute_dtype,
+            context=args.context,
+            output_tokens=args.output_tokens,
+            tpot_slo_ms=args.tpot_slo_ms,
+            ttft_slo_ms=args.ttft_slo_ms,
+            queue_budget_ms=args.queue_budget_ms,
+            arrival_rate=args.arrival_rate,
+            efficiency=efficiency,
+            efficiency_source=source,
+            kv_cap=args.kv_cap,
+            activation_gb=args.activation_gb,
+        )
+    except (ValueError, OSError) as err:
+        print(f"jaxserve plan: {err}", file=sys.stderr)
+        return 2
+    result = planner.plan(inputs)
+    print(json.dumps(result.to_json(), indent=2) if args.json else planner.format_report(result))
     return 0
 
 
