@@ -89,3 +89,21 @@ def test_no_compile_after_warmup_over_200_mixed_requests(tmp_path, smollm2_gguf)
         assert all(o.finish_reason == "length" for o in outs)
     assert compile_count() == before
     assert llm.runner.compiles_after_warmup == 0
+
+
+def test_tpot_slo_caps_the_batch_from_warmup_step_times(tmp_path, smollm2_gguf):
+    save_random_model("llama-gqa-tied", tmp_path / "model")
+    Tokenizer.from_gguf(smollm2_gguf).save(tmp_path / "model")
+    engine = {"max_batch": 4, "num_pages": 64, "page_size": 8, "token_budget": 8,
+              "max_model_len": 128}
+    generous = LLM(tmp_path / "model", warmup=True, tpot_slo_ms=60_000, **engine)
+    assert generous.scheduler.max_batch == 4
+    times = generous.runner.step_times
+    assert set(times) == set(generous.runner.buckets.buckets())
+    # the cap is the largest row count whose slowest bucket stays under 60% of the SLO
+    worst = {s: max(t for (_, rows), t in times.items() if rows == s) for s in (1, 2, 4)}
+    runner = generous.runner
+    assert runner.max_batch_under(max(worst.values()) / 0.6 * 1.001) == 4
+    assert runner.max_batch_under(min(worst.values()) * 0.5) == 0
+    fits = [s for s in (1, 2, 4) if worst[s] <= 0.6 * worst[2] / 0.6]
+    assert runner.max_batch_under(worst[2] / 0.6) == max(fits)
