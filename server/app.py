@@ -348,8 +348,8 @@ class Server:
                 if req.logprobs is not None:
                     item["logprobs"] = fmt.completion_logprobs(tokenizer, c.outputs, len(prefix))
             body_choices.append(item)
-        build = fmt.chat_body if chat else fmt.completion_body
-        return _json(build(response_id, self.model_name, body_choices, usage))
+        kind = "chat.completion" if chat else "text_completion"
+        return _json(fmt.body(kind, response_id, self.model_name, body_choices, usage))
 
     async def _stream(
         self,
@@ -368,7 +368,11 @@ class Server:
         await resp.prepare(http)
         sink: asyncio.Queue = asyncio.Queue()
         pumps = [asyncio.create_task(self._pump(c, start, sink)) for c in choices]
-        chunk = fmt.chat_chunk if chat else fmt.completion_chunk
+        kind = "chat.completion.chunk" if chat else "text_completion"
+
+        def chunk(items: list[dict], usage: dict | None = None) -> dict:
+            return fmt.body(kind, response_id, self.model_name, items, usage)
+
         try:
             for c in choices:
                 first = (
@@ -387,7 +391,7 @@ class Server:
                     }
                 )
                 if chat or req.echo:
-                    await _send(resp, chunk(response_id, self.model_name, [first]))
+                    await _send(resp, chunk([first]))
             done = 0
             while done < len(choices):
                 choice, out = await sink.get()
@@ -413,10 +417,10 @@ class Server:
                     if req.logprobs is not None and out.token_ids:
                         item["logprobs"] = fmt.completion_logprobs(tokenizer, [out], 0)
                 if out.text or out.finished or item["logprobs"]:
-                    await _send(resp, chunk(response_id, self.model_name, [item]))
+                    await _send(resp, chunk([item]))
             if req.stream_options is not None and req.stream_options.include_usage:
                 usage = fmt.usage(prompt_tokens, sum(c.num_tokens for c in choices))
-                await _send(resp, chunk(response_id, self.model_name, [], usage))
+                await _send(resp, chunk([], usage))
             await resp.write(b"data: [DONE]\n\n")
         except (ConnectionResetError, ConnectionError):
             log.info("client of %s went away: cancelling", response_id)

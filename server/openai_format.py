@@ -61,49 +61,15 @@ def chat_logprobs(tokenizer: Tokenizer, outputs: list[RequestOutput]) -> dict:
     return {"content": content}
 
 
-def completion_body(request_id: str, model: str, choices: list[dict], usage_: dict) -> dict:
-    return {
+def body(kind: str, request_id: str, model: str, choices: list[dict], usage_=None) -> dict:
+    """A response or stream chunk; `kind` is its OpenAI object name, e.g. "chat.completion"."""
+    out = {
         "id": request_id,
-        "object": "text_completion",
-        "created": int(time.time()),
-        "model": model,
-        "choices": choices,
-        "usage": usage_,
-    }
-
-
-def chat_body(request_id: str, model: str, choices: list[dict], usage_: dict) -> dict:
-    return {
-        "id": request_id,
-        "object": "chat.completion",
-        "created": int(time.time()),
-        "model": model,
-        "choices": choices,
-        "usage": usage_,
-    }
-
-
-def completion_chunk(request_id: str, model: str, choices: list[dict], usage_=None) -> dict:
-    body = {
-        "id": request_id,
-        "object": "text_completion",
+        "object": kind,
         "created": int(time.time()),
         "model": model,
         "choices": choices,
     }
     if usage_ is not None:
-        body["usage"] = usage_
-    return body
-
-
-def chat_chunk(request_id: str, model: str, choices: list[dict], usage_=None) -> dict:
-    body = {
-        "id": request_id,
-        "object": "chat.completion.chunk",
-        "created": int(time.time()),
-        "model": model,
-        "choices": choices,
-    }
-    if usage_ is not None:
-        body["usage"] = usage_
-    return body
+        out["usage"] = usage_
+    return out
