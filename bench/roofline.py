@@ -1,0 +1,202 @@
+"""Measured decode step time against the roofline, on this machine: the planner's calibration.
+
+    .venv/bin/python bench/roofline.py [--model PATH] [--batches 1,2,4,8,16] [--context 512]
+        [--steps 20] [--out bench/results/roofline.json]
+    .venv/bin/python bench/roofline.py --model DIR --batches 1,2 --steps 3 --context 32 \
+        --bandwidth-mb 16 --matmul-n 256        # tiny, for tests
+
+1. The machine: memory bandwidth from a jitted read (a sum) and a jitted copy (x + 1, which
+   reads and writes) of a large f32 array, and the matmul rate from jnp.dot of two n × n
+   squares at the served dtype (f32 by default, as served on CPU); each the median of
+   `--repeats` timed runs after a warm one. The roofline takes the faster of the two
+   bandwidths: it is a bound, so the best the machine showed.
+2. The roofline decode step at batch b, by jaxserve.planner's Roofline: max((weight bytes +
+   b × KV bytes per sequence) ÷ bandwidth, 2 × params × b ÷ matmul rate), with the weights
+   and KV at the served dtype and every sequence at `--context` tokens.
+3. The measured step: the engine's ModelRunner runs b decode rows, each at position
+   `--context` on KV pages of its own (host packing and the one device→host copy
+   included, as in serving), in the bucket the scheduler would pick; compiled and run twice
+   first, then the median of `--steps` timed steps.
+
+The JSON is what `jaxserve plan --calibrate` reads (jaxserve/planner.py's docstring):
+`measured_over_roofline.median` is the median over the batches of measured ÷ roofline.
+"""
+
+import argparse
+import dataclasses
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+from common import RESULTS, markdown_table, write_json
+from steps import fabricated_step, release
+
+from jaxserve import LLM
+from jaxserve.planner import ModelShape, Roofline
+
+
+def median_seconds(fn: Callable[[], object], repeats: int) -> float:
+    """Median wall time of `fn()` (run to completion) after one warm call."""
+    jax.block_until_ready(fn())
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(fn())
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def measure_machine(bandwidth_mb: int, matmul_n: int, dtype: str, repeats: int) -> dict:
+    """Read and copy bandwidth and the matmul rate at `dtype` of the default device."""
+    read, copy, dot = jax.jit(jnp.sum), jax.jit(lambda v: v + 1), jax.jit(jnp.dot)
+    x = jnp.ones(bandwidth_mb * 2**20 // 4, jnp.float32)
+    read_s = median_seconds(lambda: read(x), repeats)
+    copy_s = median_seconds(lambda: copy(x), repeats)
+    key_a, key_b = jax.random.split(jax.random.key(0))
+    a = jax.random.normal(key_a, (matmul_n, matmul_n), dtype)
+    b = jax.random.normal(key_b, (matmul_n, matmul_n), dtype)
+    dot_s = median_seconds(lambda: dot(a, b), repeats)
+    read_bw, copy_bw = x.nbytes / read_s, 2 * x.nbytes / copy_s
+    return {
+        "device": str(jax.devices()[0]),
+        "bandwidth_mb": bandwidth_mb,
+        "read_bandwidth_gbps": read_bw / 1e9,
+        "copy_bandwidth_gbps": copy_bw / 1e9,
+        "bandwidth_gbps": max(read_bw, copy_bw) / 1e9,  # the roofline's
+        "matmul_n": matmul_n,
+        "matmul_dtype": dtype,
+        "matmul_tflops": 2 * matmul_n**3 / dot_s / 1e12,
+    }
+
+
+def model_shape(llm: LLM) -> ModelShape:
+    """The planner's view of the served model."""
+    c = llm.config
+    return ModelShape(
+        str(llm.model_path), c.num_layers, c.hidden_size, c.intermediate_size, c.num_heads,
+        c.num_kv_heads, c.head_dim, c.vocab_size, c.tie_word_embeddings, c.attention_bias,
+    )
+
+
+def measure_decode(llm: LLM, batch: int, context: int, steps: int) -> dict:
+    """Median and p95 seconds of one decode step of `batch` rows at position `context`."""
+    scheduler, runner = llm.scheduler, llm.runner
+    bucket = scheduler.buckets.choose(batch, batch)
+    out = fabricated_step(
+        scheduler.allocator, bucket, batch, 1, context, scheduler.page_size, llm.config.vocab_size
+    )
+    try:
+        for _ in range(3):  # compile, then two warm steps
+            runner.execute(out)
+        times = []
+        for _ in range(steps):
+            start = time.perf_counter()
+            runner.execute(out)
+            times.append(time.perf_counter() - start)
+    finally:
+        release(scheduler.allocator, out)
+    times.sort()
+    return {
+        "bucket": list(bucket),
+        "median_s": statistics.median(times),
+        "p95_s": times[min(len(times) - 1, round(0.95 * (len(times) - 1)))],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", help="default: SmolLM2-135M-Instruct")
+    parser.add_argument("--batches", default="1,2,4,8,16", help="comma-separated batch sizes")
+    parser.add_argument("--context", type=int, default=512, help="tokens each row attends over")
+    parser.add_argument("--steps", type=int, default=20, help="timed decode steps per batch")
+    parser.add_argument("--page-size", type=int, default=16)
+    parser.add_argument("--dtype", default="float32", help="weights and KV, as served")
+    parser.add_argument("--bandwidth-mb", type=int, default=512, help="array size for bandwidth")
+    parser.add_argument("--matmul-n", type=int, default=2048, help="side of the matmul squares")
+    parser.add_argument("--repeats", type=int, default=5, help="timed runs per machine figure")
+    parser.add_argument("--out", type=Path, default=RESULTS / "roofline.json")
+    args = parser.parse_args()
+    batches = sorted({int(b) for b in args.batches.split(",")})
+    if batches[0] < 1 or args.steps < 1:
+        parser.error("batches and --steps must be >= 1")
+
+    machine = measure_machine(args.bandwidth_mb, args.matmul_n, args.dtype, args.repeats)
+    pages_per_row = -(-args.context // args.page_size)
+    llm = LLM(
+        args.model,
+        max_batch=batches[-1],
+        token_budget=batches[-1],
+        page_size=args.page_size,
+        num_pages=1 + batches[-1] * pages_per_row,
+        max_model_len=pages_per_row * args.page_size,
+        dtype=args.dtype,
+    )
+    shape = model_shape(llm)
+    itemsize = jnp.dtype(args.dtype).itemsize
+    kv_per_token = 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * itemsize
+    roof = Roofline(
+        weight_bytes=shape.num_params * itemsize,
+        kv_bytes_per_sequence=args.context * kv_per_token,
+        flops_per_token=2 * shape.num_params,
+        bandwidth=machine["bandwidth_gbps"] * 1e9,
+        peak_flops=machine["matmul_tflops"] * 1e12,
+    )
+    points = []
+    for b in batches:
+        measured = measure_decode(llm, b, args.context, args.steps)
+        points.append(
+            {
+                "batch": b,
+                "bucket": measured["bucket"],
+                "measured_ms": measured["median_s"] * 1e3,
+                "measured_p95_ms": measured["p95_s"] * 1e3,
+                "roofline_ms": roof.step_s(b) * 1e3,
+                "memory_ms": roof.memory_s(b) * 1e3,
+                "compute_ms": roof.compute_s(b) * 1e3,
+                "ratio": measured["median_s"] / roof.step_s(b),
+            }
+        )
+    median = statistics.median(p["ratio"] for p in points)
+
+    print(
+        f"{shape.name}: {shape.num_params / 1e6:.1f} M params, {args.dtype}, context "
+        f"{args.context}; {machine['device']}: {machine['bandwidth_gbps']:.1f} GB/s "
+        f"(read {machine['read_bandwidth_gbps']:.1f}, copy {machine['copy_bandwidth_gbps']:.1f}),"
+        f" {machine['matmul_tflops'] * 1e3:.1f} GFLOP/s {args.dtype} matmul\n"
+    )
+    rows = [
+        [p["batch"], "x".join(map(str, p["bucket"])), f"{p['measured_ms']:.2f}",
+         f"{p['measured_p95_ms']:.2f}", f"{p['roofline_ms']:.3f}", f"{p['memory_ms']:.3f}",
+         f"{p['compute_ms']:.3f}", f"{p['ratio']:.2f}"]
+        for p in points
+    ]
+    print(markdown_table(
+        ["batch", "bucket", "measured ms", "p95 ms", "roofline ms", "memory ms", "compute ms",
+         "measured ÷ roofline"],
+        rows,
+    ))
+    print(f"\nmedian measured ÷ roofline = {median:.2f}")
+    write_json(
+        args.out,
+        {
+            "measured_over_roofline": {"median": median, "points": points},
+            "model": dataclasses.asdict(shape),
+            "num_params": shape.num_params,
+            "dtype": args.dtype,
+            "weight_bytes": roof.weight_bytes,
+            "kv_bytes_per_token": kv_per_token,
+            "kv_bytes_per_sequence": roof.kv_bytes_per_sequence,
+            "context": args.context,
+            "page_size": args.page_size,
+            "steps": args.steps,
+            "machine": machine,
+        },
+    )
+    print(f"wrote {args.out}; use it as: jaxserve plan --model ... --calibrate {args.out}")
+
+
+if __name__ == "__main__":
+    main()
