@@ -105,6 +105,7 @@ class Engine:
             self._ids += 1
             request_id = request_id or f"req-{self._ids}"
             seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(31)
+        seed %= 2**32  # the device's sampling key takes a u32: any int maps onto one
         request = Request(
             request_id,
             tuple(prompt_ids),

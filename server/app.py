@@ -10,6 +10,7 @@ import asyncio
 import dataclasses
 import logging
 import signal
+import socket
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -34,6 +35,8 @@ from server.protocol import (
 from server.tenants import TenantPolicy, Tenants
 
 log = logging.getLogger("jaxserve.server")
+
+STREAM_SEND_BUFFER = 32 << 10  # kernel send buffer of one stream, bytes (Linux doubles it)
 
 
 @dataclass(frozen=True, slots=True)
@@ -226,7 +229,9 @@ class Server:
         self._check_model(req.model)
         ids = self._chat_prompt_ids(req)
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        max_tokens = req.max_completion_tokens or req.max_tokens
+        max_tokens = req.max_completion_tokens  # 0 is an error, not "unset"
+        if max_tokens is None:
+            max_tokens = req.max_tokens
         if max_tokens is None:
             room = self.llm.scheduler.max_model_len - len(ids)
             max_tokens = max(1, min(self.config.default_chat_max_tokens, room))
@@ -365,8 +370,16 @@ class Server:
         resp = web.StreamResponse(
             headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
         )
+        sock = http.transport.get_extra_info("socket") if http.transport else None
+        if sock is not None:
+            # Autotuning grows a stalled reader's send buffer to megabytes; capped, the
+            # writes below soon block, and with them the pumps (see `sink`).
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, STREAM_SEND_BUFFER)
         await resp.prepare(http)
-        sink: asyncio.Queue = asyncio.Queue()
+        # Bounded, so a client that stops reading stops the pumps too: its engine
+        # stream then fills and the engine cancels it (an unbounded sink would
+        # buffer its whole output here instead).
+        sink: asyncio.Queue = asyncio.Queue(maxsize=len(choices))
         pumps = [asyncio.create_task(self._pump(c, start, sink)) for c in choices]
         kind = "chat.completion.chunk" if chat else "text_completion"
 
