@@ -90,7 +90,8 @@ def pack_step(
     rows = list(chunks) + padding
     sampling = SamplingTensors(
         temperature=np.array([c.params.temperature for c in rows], np.float32),
-        top_k=np.array([max(c.params.top_k, 0) for c in rows], np.int32),
+        # past the vocabulary top_k keeps every token; the clamp keeps it within i32
+        top_k=np.array([min(max(c.params.top_k, 0), 2**31 - 1) for c in rows], np.int32),
         top_p=np.array([c.params.top_p for c in rows], np.float32),
         min_p=np.array([c.params.min_p for c in rows], np.float32),
         presence_penalty=np.array([c.params.presence_penalty for c in rows], np.float32),

@@ -149,8 +149,7 @@ def sampling_params(
         "max_tokens": max_tokens if max_tokens is not None else default_max_tokens,
         "temperature": 1.0 if req.temperature is None else req.temperature,
         "top_p": 1.0 if req.top_p is None else req.top_p,
-        # past the vocabulary top_k keeps every token; the clamp keeps it within i32
-        "top_k": 0 if req.top_k is None else min(req.top_k, 2**31 - 1),
+        "top_k": 0 if req.top_k is None else req.top_k,
         "min_p": 0.0 if req.min_p is None else req.min_p,
         "presence_penalty": req.presence_penalty,
         "frequency_penalty": req.frequency_penalty,
