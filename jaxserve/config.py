@@ -115,10 +115,14 @@ class EngineConfig:
     stream_capacity: int = 64  # outputs buffered per request before it is cancelled
     prefix_caching: bool = True  # reuse cached full pages of earlier prompts
     debug_checks: bool = False  # verify page ownership every step (tests turn it on)
+    tp: int = 1  # tensor parallelism: devices on the mesh's "model" axis
+    dp: int = 1  # data parallelism: weight replicas on the mesh's "data" axis
 
     def __post_init__(self) -> None:
         if self.page_size < 1 or self.num_pages < 2:
             raise ValueError("page_size must be >= 1 and num_pages >= 2")
+        if self.tp < 1 or self.dp < 1:
+            raise ValueError(f"tp and dp must be at least 1, got tp={self.tp}, dp={self.dp}")
         if self.max_batch < 1 or self.token_budget < self.max_batch:
             raise ValueError(
                 f"need 1 <= max_batch ({self.max_batch}) <= token_budget ({self.token_budget})"

@@ -2,7 +2,8 @@
 
 Head-major layout, [layer, kv_head, page, slot, head_dim]: one head's page is a
 contiguous [page_size, head_dim] tile, which is what an attention kernel loads,
-and KV heads are the axis that tensor parallelism shards.
+and KV heads are the axis that tensor parallelism shards (where tp divides them;
+the pool is replicated otherwise, see sharding.py).
 
 Page 0 is a reserved null page: padding rows point at it and write into it, so
 no real page is ever touched by padding.
@@ -38,10 +39,16 @@ def init_kv_cache(
     num_pages: int,
     page_size: int,
     dtype: jnp.dtype = jnp.float32,
+    sharding: jax.sharding.Sharding | None = None,
 ) -> KVCache:
-    """Allocate a zeroed pool; `num_pages` counts the null page."""
+    """Allocate a zeroed pool; `num_pages` counts the null page.
+
+    With a `sharding`, each device allocates only its own shard.
+    """
     shape = (num_layers, num_kv_heads, num_pages, page_size, head_dim)
-    return KVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
+    return KVCache(
+        k=jnp.zeros(shape, dtype, device=sharding), v=jnp.zeros(shape, dtype, device=sharding)
+    )
 
 
 def write_kv(

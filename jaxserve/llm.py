@@ -19,6 +19,7 @@ from jaxserve.loader import load
 from jaxserve.page_allocator import PageAllocator
 from jaxserve.runner import ModelRunner, enable_compilation_cache
 from jaxserve.scheduler import Scheduler
+from jaxserve.sharding import make_mesh
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,7 +52,9 @@ class LLM:
         if cfg.compilation_cache_dir:
             enable_compilation_cache(cfg.compilation_cache_dir)
         self.model_path = Path(model) if model is not None else default_model_path()
-        module, self.tokenizer = load(self.model_path, jnp.dtype(cfg.dtype))
+        # one device unsharded; otherwise weights load straight into their shards
+        self.mesh = make_mesh(cfg.tp, cfg.dp) if cfg.tp * cfg.dp > 1 else None
+        module, self.tokenizer = load(self.model_path, jnp.dtype(cfg.dtype), self.mesh)
         self.config = module.config
         max_model_len = min(
             cfg.max_model_len or self.config.max_position_embeddings,
@@ -67,6 +70,7 @@ class LLM:
             cfg.max_batch,
             cfg.attention_backend,
             jnp.dtype(cfg.dtype),
+            self.mesh,
         )
         max_batch = cfg.max_batch
         if warmup:

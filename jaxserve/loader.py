@@ -5,18 +5,21 @@ from pathlib import Path
 
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import Mesh
 
 from jaxserve import orbax_checkpoint
 from jaxserve.tokenizer import Tokenizer
 from jaxserve.weights import WeightsError, load_model, open_checkpoint
 
 
-def load(path: str | Path, dtype: jnp.dtype = jnp.float32) -> tuple[nnx.Module, Tokenizer]:
-    """The model with its weights on the device, and its tokenizer."""
+def load(
+    path: str | Path, dtype: jnp.dtype = jnp.float32, mesh: Mesh | None = None
+) -> tuple[nnx.Module, Tokenizer]:
+    """The model with its weights on the device (or sharded over `mesh`), and its tokenizer."""
     path = Path(path)
     if orbax_checkpoint.is_converted(path):
-        return orbax_checkpoint.restore(path, dtype)
-    model = load_model(open_checkpoint(path), dtype)
+        return orbax_checkpoint.restore(path, dtype, mesh)
+    model = load_model(open_checkpoint(path), dtype, mesh)
     if path.suffix == ".gguf":
         tokenizer = Tokenizer.from_gguf(path)
     elif (path / "tokenizer.json").exists():

@@ -16,9 +16,11 @@ import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
 from flax import nnx
+from jax.sharding import Mesh
 
 from jaxserve.config import ModelConfig, RopeScaling
 from jaxserve.models import get_model_spec
+from jaxserve.sharding import map_params, param_sharding
 from jaxserve.tokenizer import Tokenizer
 
 CONFIG_FILE = "jaxserve_config.json"
@@ -48,16 +50,25 @@ def read_config(path: Path) -> ModelConfig:
     return ModelConfig(**raw)
 
 
-def restore(path: Path, dtype: jnp.dtype = jnp.float32) -> tuple[nnx.Module, Tokenizer]:
-    """The model and tokenizer of a converted checkpoint, cast to `dtype`."""
+def restore(
+    path: Path, dtype: jnp.dtype = jnp.float32, mesh: Mesh | None = None
+) -> tuple[nnx.Module, Tokenizer]:
+    """The model and tokenizer of a converted checkpoint, cast to `dtype`.
+
+    With a `mesh`, every parameter is restored straight into its sharding (as
+    `sharding.param_sharding` lays it out), whatever mesh the checkpoint was saved from.
+    """
     path = path.resolve()
     config = read_config(path)
     spec = get_model_spec(config.architecture)
     abstract = nnx.eval_shape(lambda: spec.build(config, nnx.Rngs(0), dtype))
     graphdef, state = nnx.split(abstract)
-    target = jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), nnx.to_pure_dict(state)
-    )
+
+    def abstract_param(name: str, x: jax.ShapeDtypeStruct) -> jax.ShapeDtypeStruct:
+        sharding = None if mesh is None else param_sharding(mesh, name, x.shape)
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+
+    target = nnx.to_pure_dict(map_params(abstract_param, state))
     params = ocp.StandardCheckpointer().restore(path / "params", target)
     nnx.replace_by_pure_dict(state, params)
     return nnx.merge(graphdef, state), Tokenizer.from_dir(path)

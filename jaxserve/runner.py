@@ -3,6 +3,9 @@
 Every bucket is compiled at warm-up, with jax's persistent compilation cache so a
 second start is fast. Backend compiles are counted through jax.monitoring; one
 after warm-up means a shape escaped the bucket table, and is logged as an error.
+
+Given a mesh, the weights, the KV pool and the step are laid out by
+`sharding.Layout`; without one everything sits on the default device.
 """
 
 import logging
@@ -24,7 +27,8 @@ from jaxserve.page_allocator import NULL_PAGE
 from jaxserve.results import StepResults
 from jaxserve.sampling import init_penalty_state
 from jaxserve.scheduler import SchedulerOutput
-from jaxserve.step import step
+from jaxserve.sharding import Layout
+from jaxserve.step import sharded_step, step
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +77,7 @@ class ModelRunner:
         num_slots: int,
         attention_backend: str | None = None,
         dtype: jnp.dtype = jnp.float32,
+        mesh: jax.sharding.Mesh | None = None,
     ):
         cfg = model.config
         self.graphdef, self.state = nnx.split(model)
@@ -80,11 +85,20 @@ class ModelRunner:
         self.page_size = page_size
         self.max_pages = -(-max_model_len // page_size)
         self.backend = select_backend(attention_backend)
+        kv_shape = (cfg.num_layers, cfg.num_kv_heads, num_pages, page_size, cfg.head_dim)
+        self.layout = None if mesh is None else Layout.build(mesh, self.state, kv_shape)
         self.kv_cache = init_kv_cache(
-            cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, num_pages, page_size, dtype
+            cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, num_pages, page_size, dtype,
+            None if self.layout is None else self.layout.kv_cache.k,
         )
         self.spare_slot = num_slots
         self.penalties = init_penalty_state(num_slots, cfg.vocab_size)
+        self._step = step
+        if self.layout is not None:
+            # a no-op for weights loaded into their shardings (loader.load with the mesh)
+            self.state = jax.device_put(self.state, self.layout.state)
+            self.penalties = jax.device_put(self.penalties, self.layout.replicated)
+            self._step = sharded_step(self.layout)
         self.step_times: dict[tuple[int, int], float] = {}  # bucket -> median seconds
         self.warm = False
         self.compiles_after_warmup = 0
@@ -119,7 +133,7 @@ class ModelRunner:
             self.backend,
         )
         before = _COMPILES.count
-        results, self.kv_cache, self.penalties = step(
+        results, self.kv_cache, self.penalties = self._step(
             self.graphdef, self.state, self.kv_cache, self.penalties, inputs
         )
         results = StepResults.unpack(np.asarray(jax.device_get(results)))

@@ -3,10 +3,16 @@
 Model weights enter as an NNX (graphdef, state) pair split once, so each call is a
 plain `jax.jit` of a pure function. The KV cache and the penalty state are donated
 and updated in place. The step's results leave the device as one array.
+
+`step` and `forward` run on one device. `sharded_step` and `sharded_forward` jit
+the same functions for a mesh, with the shardings of a `sharding.Layout`: weights
+and KV as its rules say, everything else (page table, tokens, sampling tensors,
+penalties, results) replicated. Results come back replicated, so every process
+of a multi-host mesh reads the same tokens.
 """
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -23,6 +29,7 @@ from jaxserve.sampling import (
     sample,
     token_logprobs,
 )
+from jaxserve.sharding import Layout
 
 
 @jax.tree_util.register_dataclass
@@ -36,8 +43,7 @@ class StepInputs:
     sampling: SamplingTensors  # rows = metadata.logits_indices
 
 
-@partial(jax.jit, static_argnums=0, donate_argnums=2)
-def forward(
+def _forward(
     graphdef: nnx.GraphDef,
     state: nnx.State,
     kv_cache: KVCache,
@@ -50,8 +56,7 @@ def forward(
     return model(token_ids, positions, kv_cache, metadata)
 
 
-@partial(jax.jit, static_argnums=0, donate_argnums=(2, 3))
-def step(
+def _step(
     graphdef: nnx.GraphDef,
     state: nnx.State,
     kv_cache: KVCache,
@@ -77,3 +82,31 @@ def step(
         axis=1,
     )
     return results, kv_cache, penalties
+
+
+forward = jax.jit(_forward, static_argnums=0, donate_argnums=2)
+step = jax.jit(_step, static_argnums=0, donate_argnums=(2, 3))
+
+
+def sharded_forward(layout: Layout) -> Callable:
+    """`forward` jitted for `layout`'s mesh: the same arguments, logits replicated."""
+    r = layout.replicated
+    return jax.jit(
+        _forward,
+        static_argnums=0,
+        donate_argnums=2,
+        in_shardings=(layout.state, layout.kv_cache, r, r, r),
+        out_shardings=(r, layout.kv_cache),
+    )
+
+
+def sharded_step(layout: Layout) -> Callable:
+    """`step` jitted for `layout`'s mesh: the same arguments, results replicated."""
+    r = layout.replicated
+    return jax.jit(
+        _step,
+        static_argnums=0,
+        donate_argnums=(2, 3),
+        in_shardings=(layout.state, layout.kv_cache, r, r),
+        out_shardings=(r, layout.kv_cache, r),
+    )

@@ -12,12 +12,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh
 
 from jaxserve.config import ModelConfig, RopeScaling
 from jaxserve.models import ModelSpec, WeightRule, get_model_spec
+from jaxserve.sharding import param_sharding
 
 
 class WeightsError(ValueError):
@@ -332,8 +335,15 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
     raise WeightsError(f"{path}: expected a .gguf file or a Hugging Face model directory")
 
 
-def load_model(checkpoint: Checkpoint, dtype: jnp.dtype = jnp.float32) -> nnx.Module:
-    """Build the registered architecture and fill every parameter from the checkpoint."""
+def load_model(
+    checkpoint: Checkpoint, dtype: jnp.dtype = jnp.float32, mesh: Mesh | None = None
+) -> nnx.Module:
+    """Build the registered architecture and fill every parameter from the checkpoint.
+
+    With a `mesh`, each parameter is assembled on the host and each device receives
+    only its own shard (as `sharding.param_sharding` lays it out): no device ever
+    holds a whole copy of a sharded parameter.
+    """
     config = checkpoint.config
     spec = get_model_spec_or_raise(config.architecture, str(checkpoint.path))
     abstract = nnx.eval_shape(lambda: spec.build(config, nnx.Rngs(0), dtype))
@@ -346,8 +356,19 @@ def load_model(checkpoint: Checkpoint, dtype: jnp.dtype = jnp.float32) -> nnx.Mo
             raise WeightsError(f"{checkpoint.path}: weight map has no rule for parameter {name!r}")
         target = variable.get_value()
         array = _assemble(checkpoint, rules[name], config.num_layers, target.shape, name)
-        flat.append((path, variable.replace(jnp.asarray(array, dtype=target.dtype))))
+        if mesh is None:
+            value = jnp.asarray(array, dtype=target.dtype)
+        else:
+            value = _place(np.asarray(array, dtype=target.dtype), mesh, name)
+        flat.append((path, variable.replace(value)))
     return nnx.merge(graphdef, nnx.from_flat_state(flat))
+
+
+def _place(array: np.ndarray, mesh: Mesh, name: str) -> jax.Array:
+    """A host array as a global array sharded by the rules; each device gets its slice
+    (in a multi-process mesh, this process's devices only)."""
+    sharding = param_sharding(mesh, name, array.shape)
+    return jax.make_array_from_callback(array.shape, sharding, lambda index: array[index])
 
 
 def _assemble(

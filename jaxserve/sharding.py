@@ -1,0 +1,162 @@
+"""Mesh construction and partition rules: parallelism as a transformation of the model state.
+
+The mesh has two axes: "data" (dp) and "model" (tp, the minor axis, so one
+tensor-parallel group is adjacent devices). Layers never see it. Each parameter
+and the KV cache are given logical axis names by the tables below, keyed by
+parameter path; `RULES` maps logical names to mesh axes. One rule decides every
+dimension:
+
+    a dimension is sharded over the mesh axis its logical name maps to when its
+    size divides by that axis' size; otherwise that dimension is replicated.
+
+Megatron-style tensor parallelism falls out of the table: q/k/v/gate/up are
+column-parallel (their output axis on "model"), o/down row-parallel (their input
+axis on "model"), embedding and LM head split over the vocabulary. When the head
+counts divide tp the shards fall on head boundaries and attention runs head-local.
+When they do not (SmolLM2: 9 heads, 3 KV heads), the flattened heads × head_dim
+weight columns still divide (576 and 192 by 8), so the weights stay sharded and
+XLA gathers the q/k/v activations before attention, which then runs replicated.
+
+The KV cache [layer, kv_head, page, slot, head_dim] shards its KV-head axis by the
+same rule, so with kv_heads < tp (or not dividing it) the cache is replicated over
+"model". Sharding head_dim instead would need an all-reduce of the scores inside
+the page loop and breaks RoPE's rotate-half pairing; sharding pages would make the
+page allocator place sequences per device. Replication costs KV memory, not
+correctness.
+
+The "data" axis holds replicas: weights and KV are replicated over it and the
+step's inputs and results are replicated, so every data shard computes the same
+batch. Splitting the batch over data shards needs a per-shard page pool and a
+scheduler that places sequences on shards; that is not built here.
+
+Parameters with no entry in the table (a model other than the Llama family) are
+replicated, which is always correct.
+"""
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+
+from jaxserve.kv_cache import KVCache
+
+DATA, MODEL = "data", "model"
+
+# logical axis -> mesh axis; logical axes not named here are replicated
+RULES: dict[str, str] = {
+    "vocab": MODEL,
+    "heads": MODEL,  # q columns and o rows: num_heads × head_dim, flattened
+    "kv_heads": MODEL,  # k/v columns (num_kv_heads × head_dim) and the cache's KV-head axis
+    "mlp": MODEL,  # the intermediate size
+}
+
+# parameter path (as in the weight map) -> logical axis of each dimension
+PARAM_AXES: dict[str, tuple[str | None, ...]] = {
+    "embed": ("vocab", "embed"),
+    "lm_head": ("embed", "vocab"),
+    "norm": ("embed",),
+    "layers/input_norm": ("layers", "embed"),
+    "layers/post_norm": ("layers", "embed"),
+    "layers/q_proj": ("layers", "embed", "heads"),
+    "layers/k_proj": ("layers", "embed", "kv_heads"),
+    "layers/v_proj": ("layers", "embed", "kv_heads"),
+    "layers/q_bias": ("layers", "heads"),
+    "layers/k_bias": ("layers", "kv_heads"),
+    "layers/v_bias": ("layers", "kv_heads"),
+    "layers/o_proj": ("layers", "heads", "embed"),
+    "layers/gate_proj": ("layers", "embed", "mlp"),
+    "layers/up_proj": ("layers", "embed", "mlp"),
+    "layers/down_proj": ("layers", "mlp", "embed"),
+}
+
+KV_AXES = ("layers", "kv_heads", "pages", "page_slots", "head_dim")
+
+
+def make_mesh(tp: int = 1, dp: int = 1, devices: Sequence[jax.Device] | None = None) -> Mesh:
+    """A ("data", "model") mesh of dp × tp devices, the first dp × tp of `devices`.
+
+    Axis types are Auto: jax's default, Explicit, makes plain row-parallel matmuls
+    raise a sharding type error.
+    """
+    if tp < 1 or dp < 1:
+        raise ValueError(f"tp and dp must be at least 1, got tp={tp}, dp={dp}")
+    devices = list(jax.devices() if devices is None else devices)
+    if len(devices) < tp * dp:
+        raise ValueError(f"tp={tp} × dp={dp} needs {tp * dp} devices, found {len(devices)}")
+    return jax.make_mesh(
+        (dp, tp), (DATA, MODEL), axis_types=(AxisType.Auto,) * 2, devices=devices[: tp * dp]
+    )
+
+
+def partition_spec(
+    axes: Sequence[str | None], shape: Sequence[int], mesh: Mesh
+) -> PartitionSpec:
+    """Each dimension on its logical axis' mesh axis when its size divides; else replicated."""
+    if len(axes) != len(shape):
+        raise ValueError(f"logical axes {tuple(axes)} do not fit shape {tuple(shape)}")
+    spec = []
+    for name, size in zip(axes, shape):
+        mesh_axis = RULES.get(name) if name else None
+        divides = mesh_axis in mesh.shape and size % mesh.shape[mesh_axis] == 0
+        spec.append(mesh_axis if divides else None)
+    return PartitionSpec(*spec)
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, PartitionSpec())
+
+
+def param_sharding(mesh: Mesh, path: str, shape: Sequence[int]) -> NamedSharding:
+    """Where parameter `path` ("layers/q_proj") of `shape` lives; replicated if not in the table."""
+    axes = PARAM_AXES.get(path)
+    if axes is None:
+        return replicated(mesh)
+    return NamedSharding(mesh, partition_spec(axes, shape, mesh))
+
+
+def kv_sharding(mesh: Mesh, shape: Sequence[int]) -> NamedSharding:
+    """Where a KV pool of `shape` [layer, kv_head, page, slot, head_dim] lives."""
+    return NamedSharding(mesh, partition_spec(KV_AXES, shape, mesh))
+
+
+def map_params(fn: Callable[[str, jax.Array], object], state: nnx.State) -> nnx.State:
+    """`state` with each parameter value replaced by fn(path, value); path like "layers/q_proj"."""
+    flat = [
+        (path, variable.replace(fn("/".join(str(p) for p in path), variable.get_value())))
+        for path, variable in nnx.to_flat_state(state)
+    ]
+    return nnx.from_flat_state(flat)
+
+
+def state_shardings(mesh: Mesh, state: nnx.State) -> nnx.State:
+    """A tree like `state` (arrays or abstract) holding each parameter's NamedSharding."""
+    return map_params(lambda path, x: param_sharding(mesh, path, x.shape), state)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where the step's operands live on a mesh; what `jax.jit` is told."""
+
+    mesh: Mesh
+    state: nnx.State  # NamedSharding per parameter, shaped like the model state
+    kv_cache: KVCache  # NamedSharding of k and of v
+    replicated: NamedSharding  # penalties, step inputs and results
+
+    @staticmethod
+    def build(mesh: Mesh, state: nnx.State, kv_shape: Sequence[int]) -> "Layout":
+        kv = kv_sharding(mesh, kv_shape)
+        return Layout(mesh, state_shardings(mesh, state), KVCache(kv, kv), replicated(mesh))
+
+
+def device_bytes(tree: object) -> dict[jax.Device, int]:
+    """Bytes each device holds of the arrays in `tree` (from their shardings)."""
+    held: dict[jax.Device, int] = {}
+    for leaf in jax.tree.leaves(tree):
+        shard_shape = leaf.sharding.shard_shape(leaf.shape)
+        nbytes = int(np.prod(shard_shape)) * leaf.dtype.itemsize
+        for device in leaf.sharding.device_set:
+            held[device] = held.get(device, 0) + nbytes
+    return held

@@ -1,0 +1,479 @@
+"""Sharded weights and KV over a device mesh give the results of one device.
+
+The partition rules are checked here on abstract meshes. Everything that needs 8
+devices runs in a subprocess with `--xla_force_host_platform_device_count=8` (the
+device count is fixed when jax starts, and the rest of the suite runs on one
+device): this file is also that subprocess's script, `python test_sharding.py
+SCENARIO DIR`, which prints one JSON line of measurements for the tests to judge.
+"""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+HERE = Path(__file__).resolve().parent
+MESHES = [(8, 1), (4, 2), (2, 4)]  # (tp, dp)
+
+# a small Qwen2 (biases, untied head) whose every sharded dimension divides by 8,
+# with 4 KV heads: the cache shards at tp 2 and 4 and is replicated at tp 8
+RANDOM = {
+    "model_type": "qwen2",
+    "vocab_size": 256,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "head_dim": 8,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 10000.0,
+    "max_position_embeddings": 256,
+    "tie_word_embeddings": False,
+}
+SMOLLM2 = {
+    "num_heads": 9, "num_kv_heads": 3, "head_dim": 64, "hidden": 576, "ffn": 1536,
+    "vocab": 49152, "layers": 30,
+}
+
+
+# ---------------------------------------------------------------- rules (one device)
+
+
+def abstract_mesh(tp: int, dp: int):
+    from jax.sharding import AbstractMesh
+
+    from jaxserve.sharding import DATA, MODEL
+
+    return AbstractMesh((dp, tp), (DATA, MODEL))
+
+
+@pytest.mark.parametrize("tp", [2, 4, 8])
+def test_smollm2_shards_every_layer_weight_but_replicates_its_3_kv_heads(tp):
+    from jax.sharding import PartitionSpec as P
+
+    from jaxserve.sharding import MODEL, kv_sharding, param_sharding
+
+    m = SMOLLM2
+    mesh = abstract_mesh(tp, 8 // tp)
+    q_dim, kv_dim = m["num_heads"] * m["head_dim"], m["num_kv_heads"] * m["head_dim"]
+    shapes = {
+        "embed": (m["vocab"], m["hidden"]),
+        "layers/q_proj": (m["layers"], m["hidden"], q_dim),
+        "layers/k_proj": (m["layers"], m["hidden"], kv_dim),
+        "layers/o_proj": (m["layers"], q_dim, m["hidden"]),
+        "layers/up_proj": (m["layers"], m["hidden"], m["ffn"]),
+        "layers/down_proj": (m["layers"], m["ffn"], m["hidden"]),
+        "layers/input_norm": (m["layers"], m["hidden"]),
+    }
+    specs = {name: param_sharding(mesh, name, shape).spec for name, shape in shapes.items()}
+    assert specs == {
+        "embed": P(MODEL, None),
+        "layers/q_proj": P(None, None, MODEL),  # 576 = 9 heads × 64 columns: heads split
+        "layers/k_proj": P(None, None, MODEL),
+        "layers/o_proj": P(None, MODEL, None),
+        "layers/up_proj": P(None, None, MODEL),
+        "layers/down_proj": P(None, MODEL, None),
+        "layers/input_norm": P(None, None),
+    }
+    kv_shape = (m["layers"], m["num_kv_heads"], 64, 16, m["head_dim"])
+    assert kv_sharding(mesh, kv_shape).spec == P(None, None, None, None, None)
+
+
+def test_a_dimension_that_does_not_divide_is_replicated_and_unknown_params_too():
+    from jax.sharding import PartitionSpec as P
+
+    from jaxserve.sharding import MODEL, kv_sharding, param_sharding
+
+    mesh = abstract_mesh(3, 1)
+    assert param_sharding(mesh, "layers/gate_proj", (2, 64, 96)).spec == P(None, None, MODEL)
+    assert param_sharding(mesh, "layers/gate_proj", (2, 64, 128)).spec == P(None, None, None)
+    assert param_sharding(mesh, "blocks/0/qkv", (64, 192)).spec == P()
+    assert kv_sharding(mesh, (2, 6, 8, 4, 16)).spec == P(None, MODEL, None, None, None)
+
+
+def test_mesh_and_config_refuse_bad_sizes():
+    from jaxserve.config import EngineConfig
+    from jaxserve.sharding import make_mesh
+
+    with pytest.raises(ValueError, match="needs 16 devices"):
+        make_mesh(tp=8, dp=2, devices=[object()] * 8)
+    with pytest.raises(ValueError, match="tp and dp"):
+        EngineConfig(tp=0)
+
+
+def test_cli_engine_flags_carry_tp_and_dp():
+    import argparse
+
+    from jaxserve.cli import _engine_config, _engine_flags
+
+    parser = argparse.ArgumentParser()
+    _engine_flags(parser)
+    config = _engine_config(parser.parse_args(["--tp", "4", "--dp", "2"]))
+    assert (config.tp, config.dp) == (4, 2)
+
+
+# ---------------------------------------------------------------- 8 devices, in a subprocess
+
+
+def spawn(
+    scenario: str, directory: Path, *extra: int, devices: int = 8
+) -> tuple[subprocess.Popen, Path]:
+    """This file as a script on `devices` forced CPU devices; its output goes to STEM.out/.err."""
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    env["JAX_PLATFORMS"] = "cpu"
+    stem = directory / "-".join([scenario, *map(str, extra)])
+    script = [sys.executable, str(Path(__file__).resolve()), scenario, str(directory)]
+    # files, not pipes: a process blocked on a full pipe would stall its peer's collectives
+    with open(f"{stem}.out", "w") as out, open(f"{stem}.err", "w") as err:
+        process = subprocess.Popen(
+            script + [str(x) for x in extra], stdout=out, stderr=err, env=env, cwd=HERE.parent
+        )
+    return process, stem
+
+
+def wait_all(spawned: list[tuple[subprocess.Popen, Path]], timeout: float = 400) -> list[dict]:
+    """Each process's JSON line, once all exit; all are killed if one hangs."""
+    deadline = time.monotonic() + timeout
+    try:
+        for process, _ in spawned:
+            process.wait(timeout=max(1.0, deadline - time.monotonic()))
+    finally:
+        for process, _ in spawned:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+    results = []
+    for process, stem in spawned:
+        assert process.returncode == 0, Path(f"{stem}.err").read_text()[-4000:]
+        results.append(json.loads(Path(f"{stem}.out").read_text().strip().splitlines()[-1]))
+    return results
+
+
+def run_worker(scenario: str, directory: Path) -> dict:
+    return wait_all([spawn(scenario, directory)])[0]
+
+
+@pytest.fixture(scope="module")
+def random_run(tmp_path_factory) -> dict:
+    directory = tmp_path_factory.mktemp("sharded-random")
+    write_random_model(directory / "model")
+    return run_worker("random", directory)
+
+
+def test_random_model_logits_match_one_device_on_every_mesh(random_run):
+    for tp, dp in MESHES:
+        assert random_run["logits_error"][f"{tp}x{dp}"] < 1e-4, (tp, dp)
+
+
+def test_kv_cache_shards_over_kv_heads_only_where_they_divide(random_run):
+    # 4 KV heads: sharded over tp 4 and 2, replicated over tp 8
+    assert random_run["kv_spec"] == {
+        "8x1": [None, None, None, None, None],
+        "4x2": [None, "model", None, None, None],
+        "2x4": [None, "model", None, None, None],
+    }
+
+
+def test_tp8_holds_an_eighth_of_the_layer_weights_per_device(random_run):
+    held, total = random_run["layer_bytes_per_device"], random_run["layer_bytes_total"]
+    assert len(held) == 8
+    # only the norms (2 × [layers, 64]) are replicated
+    assert all(total / 8 <= b <= 1.03 * total / 8 for b in held), (held, total)
+
+
+def test_orbax_checkpoint_from_tp8_restores_into_tp2_dp4(random_run):
+    orbax = random_run["orbax"]
+    assert orbax["logits_error"] < 1e-4
+    assert orbax["q_proj_spec"] == [None, None, "model"]
+    assert orbax["devices"] == 8
+
+
+def test_engine_on_a_mesh_generates_the_tokens_of_one_device_without_compiling(random_run):
+    engine = random_run["engine"]
+    assert engine["tokens_match"]
+    assert engine["compiles_after_warmup"] == 0
+
+
+def test_smollm2_greedy_tokens_match_one_device_on_every_mesh(tmp_path):
+    run = run_worker("smollm2", tmp_path)
+    want = run["tokens"]["1x1"]
+    assert len(want) == 2 and all(len(t) == 8 for t in want)
+    for tp, dp in MESHES:
+        key = f"{tp}x{dp}"
+        assert run["tokens"][key] == want, key
+        assert run["compiles_after_warmup"][key] == 0, key
+    assert "Paris" in run["answers"]["1x1"]
+    # tp 8: each device holds an eighth of the layer weights; only the norms (0.03%) are
+    # replicated, attention included (576 = 9 heads × 64 columns split 72 to a device)
+    held, total = run["layer_bytes_per_device"], run["layer_bytes_total"]
+    assert len(held) == 8 and all(total / 8 <= b <= 1.01 * total / 8 for b in held)
+
+
+def test_two_processes_of_4_devices_run_as_one_8_device_mesh(tmp_path):
+    write_random_model(tmp_path / "model")
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    runs = wait_all([spawn("multihost", tmp_path, i, port, devices=4) for i in range(2)])
+    for run in runs:
+        assert (run["process_count"], run["devices"], run["local_devices"]) == (2, 8, 4)
+        assert max(run["logits_error"].values()) < 1e-4, run["logits_error"]
+        assert run["engine"]["tokens_match"]
+        assert run["engine"]["compiles_after_warmup"] == 0
+
+
+# ---------------------------------------------------------------- the subprocess side
+
+
+def write_random_model(path: Path, seed: int = 0) -> None:
+    """A random RANDOM-shaped Hugging Face directory: config, safetensors, word tokenizer."""
+    import safetensors.numpy
+    import tokenizers
+
+    c = RANDOM
+    rng = np.random.default_rng(seed)
+    d, f, v = c["hidden_size"], c["intermediate_size"], c["vocab_size"]
+    q, kv = c["num_attention_heads"] * c["head_dim"], c["num_key_value_heads"] * c["head_dim"]
+
+    def w(*shape: int, scale: float = 0.1, mean: float = 0.0) -> np.ndarray:
+        return (mean + scale * rng.standard_normal(shape)).astype(np.float32)
+
+    tensors = {
+        "model.embed_tokens.weight": w(v, d, scale=1.0),
+        "model.norm.weight": w(d, mean=1.0),
+        "lm_head.weight": w(v, d),
+    }
+    shapes = {
+        "input_layernorm.weight": (d,), "post_attention_layernorm.weight": (d,),
+        "self_attn.q_proj.weight": (q, d), "self_attn.q_proj.bias": (q,),
+        "self_attn.k_proj.weight": (kv, d), "self_attn.k_proj.bias": (kv,),
+        "self_attn.v_proj.weight": (kv, d), "self_attn.v_proj.bias": (kv,),
+        "self_attn.o_proj.weight": (d, q),
+        "mlp.gate_proj.weight": (f, d), "mlp.up_proj.weight": (f, d),
+        "mlp.down_proj.weight": (d, f),
+    }
+    for i in range(c["num_hidden_layers"]):
+        for name, shape in shapes.items():
+            mean = 1.0 if "layernorm" in name else 0.0
+            tensors[f"model.layers.{i}.{name}"] = w(*shape, mean=mean)
+    path.mkdir(parents=True)
+    safetensors.numpy.save_file(tensors, str(path / "model.safetensors"))
+    (path / "config.json").write_text(json.dumps(c))
+    vocab = {f"w{i}": i for i in range(v)}
+    tokenizer = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="w0"))
+    tokenizer.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
+    tokenizer.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "w1"}))
+
+
+def _layer_bytes(state) -> tuple[list[int], int]:
+    """Bytes of the decoder layers' weights on each device, and in all."""
+    import jax
+
+    from jaxserve.sharding import device_bytes
+
+    layers = state["layers"]
+    held = device_bytes(layers)
+    total = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(layers))
+    return [held[d] for d in sorted(held, key=lambda d: d.id)], total
+
+
+PAGE_SIZE, NUM_PAGES = 4, 40
+
+
+def _logits_over_steps(model, mesh=None) -> tuple[np.ndarray, object]:
+    """Logits of every token of a prefill of 3 prompts and 3 decode steps (pages shuffled
+    between sequences), run unsharded or on `mesh`; and the final KV cache."""
+    import dataclasses
+
+    from flax import nnx
+
+    from jaxserve.batch import Chunk, pack_step
+    from jaxserve.kv_cache import init_kv_cache
+    from jaxserve.sharding import Layout
+    from jaxserve.step import forward, sharded_forward
+
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(0, RANDOM["vocab_size"], n).tolist() for n in (1, 7, 13)]
+    free = rng.permutation(np.arange(1, NUM_PAGES)).tolist()
+    pages = [[free.pop() for _ in range(8)] for _ in prompts]
+    steps = [[Chunk(p, 0, pg) for p, pg in zip(prompts, pages)]]
+    length = [len(p) for p in prompts]
+    for _ in range(3):  # decode steps, one token per sequence
+        nxt = rng.integers(0, RANDOM["vocab_size"], len(prompts)).tolist()
+        steps.append([Chunk([t], n, pg) for t, n, pg in zip(nxt, length, pages)])
+        length = [n + 1 for n in length]
+
+    cfg = model.config
+    graphdef, state = nnx.split(model)
+    kv_shape = (cfg.num_layers, cfg.num_kv_heads, NUM_PAGES, PAGE_SIZE, cfg.head_dim)
+    layout = None if mesh is None else Layout.build(mesh, state, kv_shape)
+    run = forward if layout is None else sharded_forward(layout)
+    kv = init_kv_cache(
+        cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, NUM_PAGES, PAGE_SIZE,
+        sharding=None if layout is None else layout.kv_cache.k,
+    )
+    out = []
+    for chunks in steps:
+        inputs = pack_step(chunks, PAGE_SIZE, 32, 4, 8, spare_slot=4)
+        n = sum(len(c.token_ids) for c in chunks)
+        meta = dataclasses.replace(inputs.metadata, logits_indices=np.arange(n, dtype=np.int32))
+        logits, kv = run(graphdef, state, kv, inputs.token_ids, inputs.positions, meta)
+        out.append(np.asarray(logits))
+    return np.concatenate(out), kv
+
+
+def _engine_check(model_dir: Path, tp: int, dp: int) -> dict:
+    """Greedy tokens of mixed requests on one device and, after warm-up, on a tp × dp mesh."""
+    from jaxserve import LLM, SamplingParams
+    from jaxserve.runner import compile_count
+
+    rng = np.random.default_rng(2)
+    requests = [rng.integers(3, 256, int(n)).tolist() for n in rng.integers(1, 40, 6)]
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    # 3 buckets: (1 token, 1 row), (2, 1), (2, 2)
+    sizes = {"max_batch": 2, "num_pages": 64, "page_size": 4, "token_budget": 2}
+    alone = LLM(model_dir, **sizes).generate(requests, params)
+    llm = LLM(model_dir, tp=tp, dp=dp, **sizes)
+    llm.runner.warmup(repeats=1)
+    before = compile_count()
+    sharded = llm.generate(requests, params)
+    return {
+        "tokens_match": [o.token_ids for o in sharded] == [o.token_ids for o in alone],
+        "compiles_after_warmup": llm.runner.compiles_after_warmup + compile_count() - before,
+    }
+
+
+def _random_scenario(directory: Path) -> dict:
+    from flax import nnx
+
+    from jaxserve import orbax_checkpoint
+    from jaxserve.loader import load
+    from jaxserve.sharding import make_mesh
+
+    model_dir = directory / "model"
+    start = time.perf_counter()
+    want, _ = _logits_over_steps(load(model_dir)[0])
+    result: dict = {"logits_error": {}, "kv_spec": {}, "seconds": {}}
+    result["seconds"]["1x1"] = round(time.perf_counter() - start, 1)
+    for tp, dp in MESHES:
+        mesh = make_mesh(tp, dp)
+        model, tokenizer = load(model_dir, mesh=mesh)
+        got, kv = _logits_over_steps(model, mesh)
+        key = f"{tp}x{dp}"
+        result["logits_error"][key] = float(np.abs(got - want).max())
+        result["kv_spec"][key] = list(kv.k.sharding.spec)
+        result["seconds"][key] = round(time.perf_counter() - start, 1)
+        if tp == 8:
+            held, total = _layer_bytes(nnx.state(model))
+            result["layer_bytes_per_device"], result["layer_bytes_total"] = held, total
+            orbax_checkpoint.save(model, tokenizer, directory / "tp8")
+
+    mesh = make_mesh(2, 4)
+    restored, _ = load(directory / "tp8", mesh=mesh)
+    got, _ = _logits_over_steps(restored, mesh)
+    q = nnx.state(restored)["layers"]["q_proj"].get_value()
+    result["orbax"] = {
+        "logits_error": float(np.abs(got - want).max()),
+        "q_proj_spec": list(q.sharding.spec),
+        "devices": len(q.sharding.device_set),
+    }
+    result["seconds"]["orbax"] = round(time.perf_counter() - start, 1)
+    result["engine"] = _engine_check(model_dir, 4, 2)
+    result["seconds"]["engine"] = round(time.perf_counter() - start, 1)
+    return result
+
+
+def _multihost_scenario(directory: Path, process_id: int, port: int) -> dict:
+    """One of two processes with 4 CPU devices each, joined into one 8-device runtime."""
+    import jax
+
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(
+        f"127.0.0.1:{port}", num_processes=2, process_id=process_id, initialization_timeout=60
+    )
+    from jaxserve.loader import load
+    from jaxserve.sharding import make_mesh
+
+    model_dir = directory / "model"
+    want, _ = _logits_over_steps(load(model_dir)[0])  # on this process's first device
+    result: dict = {
+        "process_count": jax.process_count(),
+        "devices": jax.device_count(),
+        "local_devices": jax.local_device_count(),
+        "logits_error": {},
+    }
+    mesh = make_mesh(8, 1)  # the model axis spans both processes
+    got, _ = _logits_over_steps(load(model_dir, mesh=mesh)[0], mesh)
+    result["logits_error"]["8x1"] = float(np.abs(got - want).max())
+    # tp 4 × dp 2: a replica in each process; both run the same engine on the same
+    # requests, in lockstep (the step's inputs must be identical in every process)
+    result["engine"] = _engine_check(model_dir, 4, 2)
+    return result
+
+
+def _smollm2_scenario(directory: Path) -> dict:
+    from flax import nnx
+
+    from jaxserve import LLM, SamplingParams, orbax_checkpoint
+    from jaxserve.default_model import default_model_path
+    from jaxserve.runner import compile_count
+
+    question = "What is the capital of France?"
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    # three buckets, (1|2|4 tokens, 1 row), and a short context keep warm-up cheap
+    sizes = {"max_batch": 1, "num_pages": 8, "token_budget": 4}
+    result: dict = {"tokens": {}, "answers": {}, "compiles_after_warmup": {}, "seconds": {}}
+
+    def serve(source: Path, tp: int, dp: int) -> LLM:
+        start = time.perf_counter()
+        llm = LLM(source, tp=tp, dp=dp, **sizes)
+        loaded = time.perf_counter()
+        if tp * dp > 1:  # one device is the reference: its tokens are all it gives
+            llm.runner.warmup(repeats=1)
+        warm = time.perf_counter()
+        before = compile_count()
+        chat = llm.tokenizer.apply_chat_template([{"role": "user", "content": question}])
+        prompts = [chat, "Once upon a time, by the sea,"]
+        outputs = llm.generate(prompts, params)
+        key = f"{tp}x{dp}"
+        result["tokens"][key] = [o.token_ids for o in outputs]
+        result["answers"][key] = outputs[0].text
+        if tp * dp > 1:
+            result["compiles_after_warmup"][key] = (
+                llm.runner.compiles_after_warmup + compile_count() - before
+            )
+        result["seconds"][key] = [
+            round(t, 1) for t in (loaded - start, warm - loaded, time.perf_counter() - warm)
+        ]
+        return llm
+
+    # GGUF straight into tp 8 shards, then an Orbax checkpoint written from that mesh
+    # serves one device and the other meshes (the GGUF file is slow to parse: once only)
+    llm = serve(default_model_path(), 8, 1)
+    held, total = _layer_bytes(llm.runner.state)
+    result["layer_bytes_per_device"], result["layer_bytes_total"] = held, total
+    model = nnx.merge(llm.runner.graphdef, llm.runner.state)
+    orbax_checkpoint.save(model, llm.tokenizer, directory / "tp8")
+    del llm, model
+    for tp, dp in [(1, 1), (4, 2), (2, 4)]:
+        serve(directory / "tp8", tp, dp)
+    return result
+
+
+if __name__ == "__main__":
+    scenario, directory, *extra = sys.argv[1:]
+    run = {
+        "random": _random_scenario,
+        "smollm2": _smollm2_scenario,
+        "multihost": _multihost_scenario,
+    }[scenario]
+    print(json.dumps(run(Path(directory), *map(int, extra))))
