@@ -84,33 +84,51 @@ def apply_penalties(
     return logits - params.presence_penalty[:, None] * (counts > 0)
 
 
+def _top_k_top_p_keep(
+    scaled: jax.Array,  # f32[num_seqs, vocab]
+    params: SamplingTensors,
+) -> jax.Array:  # bool[num_seqs, vocab]
+    """Tokens inside each row's top-k and top-p (the smallest prefix whose mass reaches p)."""
+    num_seqs, vocab = scaled.shape
+    order = jnp.argsort(-scaled, axis=-1)  # descending
+    sorted_logits = jnp.take_along_axis(scaled, order, axis=-1)
+    top_k = jnp.where(params.top_k > 0, params.top_k, vocab)
+    keep = jnp.arange(vocab)[None, :] < top_k[:, None]
+    probs = jax.nn.softmax(jnp.where(keep, sorted_logits, -jnp.inf), axis=-1)
+    keep &= jnp.cumsum(probs, axis=-1) - probs < params.top_p[:, None]  # top token stays
+    return jnp.zeros_like(keep).at[jnp.arange(num_seqs)[:, None], order].set(keep)
+
+
 def sample(
     logits: jax.Array,  # f32[num_seqs, vocab], penalties already applied
     params: SamplingTensors,
 ) -> jax.Array:  # i32[num_seqs]
-    """The next token of every row."""
+    """The next token of every row.
+
+    Sorting the vocabulary is the costly part, so it runs only when some row asks
+    for top-k or top-p. Every row draws in vocabulary order with its own key, so a
+    row's token does not depend on whether its neighbours needed the sort.
+    """
     vocab = logits.shape[-1]
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     temperature = jnp.where(params.temperature > 0, params.temperature, 1.0)
     scaled = logits / temperature[:, None]
-    order = jnp.argsort(-scaled, axis=-1)  # descending
-    sorted_logits = jnp.take_along_axis(scaled, order, axis=-1)
-    rank = jnp.arange(vocab)[None, :]
-    top_k = jnp.where(params.top_k > 0, params.top_k, vocab)
-    keep = rank < top_k[:, None]
-    probs = jax.nn.softmax(jnp.where(keep, sorted_logits, -jnp.inf), axis=-1)
-    # top-p keeps the smallest prefix whose mass reaches p; min-p drops tokens below
-    # min_p × the top token's probability; the top token always stays
-    mass_before = jnp.cumsum(probs, axis=-1) - probs
-    keep &= mass_before < params.top_p[:, None]
-    keep &= probs >= params.min_p[:, None] * probs[:, :1]
-    filtered = jnp.where(keep, sorted_logits, -jnp.inf)
+    filters = jnp.any((params.top_k > 0) & (params.top_k < vocab)) | jnp.any(params.top_p < 1)
+    keep = jax.lax.cond(
+        filters,
+        _top_k_top_p_keep,
+        lambda scaled, _: jnp.ones(scaled.shape, bool),
+        scaled,
+        params,
+    )
+    # min-p drops tokens below min_p x the most likely token's probability
+    probs = jax.nn.softmax(jnp.where(keep, scaled, -jnp.inf), axis=-1)
+    keep &= probs >= params.min_p[:, None] * jnp.max(probs, axis=-1, keepdims=True)
     keys = jax.vmap(lambda s, n: jax.random.fold_in(jax.random.PRNGKey(s), n))(
         params.seeds, params.counters
     )
-    choice = jax.vmap(jax.random.categorical)(keys, filtered)
-    sampled = jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0].astype(jnp.int32)
-    return jnp.where(params.temperature > 0, sampled, greedy)
+    sampled = jax.vmap(jax.random.categorical)(keys, jnp.where(keep, scaled, -jnp.inf))
+    return jnp.where(params.temperature > 0, sampled.astype(jnp.int32), greedy)
 
 
 def token_logprobs(
