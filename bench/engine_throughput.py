@@ -39,16 +39,17 @@ def run(llm: LLM, requests, static: bool) -> dict:
         requests[i : i + llm.scheduler.max_batch]
         for i in range(0, len(requests), llm.scheduler.max_batch)
     ]
+    tokens = 0
     for batch in batches if static else [requests]:
         streams = [engine.submit(ids, params) for ids, params in batch]
         while engine.has_work():
             engine.step()
             steps += 1
-        for s in streams:
-            while len(s):
-                s.get(timeout=0)
+            for s in streams:  # drain every step: output buffers are bounded
+                while len(s):
+                    tokens += len(s.get(timeout=0).token_ids)
     seconds = time.perf_counter() - start
-    tokens = sum(p.max_tokens for _, p in requests)
+    assert tokens == sum(p.max_tokens for _, p in requests), "a request was cut short"
     return {"seconds": seconds, "steps": steps, "tokens": tokens, "tokens_per_s": tokens / seconds}
 
 

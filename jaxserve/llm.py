@@ -120,20 +120,23 @@ class LLM:
             raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
         encoded = [self.encode(p) for p in prompts]
         streams = [self.engine.submit(ids, p) for ids, p in zip(encoded, params)]
+        token_ids: list[list[int]] = [[] for _ in prompts]
+        texts: list[list[str]] = [[] for _ in prompts]
+        reasons: list[str | None] = [None] * len(prompts)
         while self.engine.has_work():
             self.engine.step()
-        outputs = []
-        for prompt, ids, stream in zip(prompts, encoded, streams):
-            token_ids, text, reason = [], [], None
-            while reason is None:
-                item = stream.get(timeout=0)
-                token_ids.extend(item.token_ids)
-                text.append(item.text)
-                reason = item.finish_reason
-            outputs.append(
-                CompletionOutput(
-                    prompt if isinstance(prompt, str) else None, ids, token_ids, "".join(text),
-                    reason,
-                )
+            for i, stream in enumerate(streams):  # drain as we go: buffers are bounded
+                while len(stream):
+                    item = stream.get(timeout=0)
+                    token_ids[i].extend(item.token_ids)
+                    texts[i].append(item.text)
+                    reasons[i] = item.finish_reason
+        outputs = [
+            CompletionOutput(
+                prompt if isinstance(prompt, str) else None, ids, tokens, "".join(text), reason
             )
+            for prompt, ids, tokens, text, reason in zip(
+                prompts, encoded, token_ids, texts, reasons
+            )
+        ]
         return outputs

@@ -107,3 +107,14 @@ def test_tpot_slo_caps_the_batch_from_warmup_step_times(tmp_path, smollm2_gguf):
     assert runner.max_batch_under(min(worst.values()) * 0.5) == 0
     fits = [s for s in (1, 2, 4) if worst[s] <= 0.6 * worst[2] / 0.6]
     assert runner.max_batch_under(worst[2] / 0.6) == max(fits)
+
+
+def test_generate_outputs_longer_than_the_stream_buffer(tmp_path, smollm2_gguf):
+    save_random_model("llama-gqa-tied", tmp_path / "model")
+    Tokenizer.from_gguf(smollm2_gguf).save(tmp_path / "model")
+    llm = LLM(tmp_path / "model", num_pages=64, page_size=8, max_model_len=256,
+              stream_capacity=4)
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    outs = llm.generate([[5, 6, 7], [8, 9]], params)
+    assert [len(o.token_ids) for o in outs] == [40, 40]
+    assert all(o.finish_reason == "length" for o in outs)
