@@ -15,3 +15,11 @@ from jaxserve.default_model import default_model_path
 def smollm2_gguf() -> Path:
     """The default model's GGUF file, fetched by the Makefile (or here when missing)."""
     return default_model_path()
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory, smollm2_gguf) -> Path:
+    """A 2-layer random Llama with SmolLM2's tokenizer, saved once for the server tests."""
+    from serving import save_tiny_chat_model
+
+    return save_tiny_chat_model(tmp_path_factory.mktemp("tiny-chat-model"), smollm2_gguf)

@@ -14,7 +14,7 @@ import urllib.request
 
 import openai
 import pytest
-from serving import running_server, save_tiny_chat_model
+from serving import running_server
 
 from jaxserve.tokenizer import Tokenizer
 
@@ -44,15 +44,6 @@ METRICS = [
     "jaxserve:compiles_after_warmup_total",
     "jaxserve:preemptions_total",
 ]
-
-
-@pytest.fixture(scope="session")
-def tiny_model(tmp_path_factory, smollm2_gguf):
-    """Saved once per session (the other server test modules find it in the base temp dir)."""
-    path = tmp_path_factory.getbasetemp() / "tiny-chat-model"
-    if not (path / "model.safetensors").exists():
-        save_tiny_chat_model(path, smollm2_gguf)
-    return path
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ import urllib.error
 import urllib.request
 
 import pytest
-from serving import running_server, save_tiny_chat_model
+from serving import running_server
 
 FLAGS = ["--max-batch", "8", "--token-budget", "64", "--num-pages", "512", "--max-model-len", "512"]
 MODEL = "tiny"
@@ -156,15 +156,6 @@ def pages_held(url: str) -> float:
     return m["jaxserve:kv_pages_total"] - m["jaxserve:kv_pages_free"] - m.get(
         "jaxserve:kv_pages_cached", 0.0
     )
-
-
-@pytest.fixture(scope="session")
-def tiny_model(tmp_path_factory, smollm2_gguf):
-    """Saved once per session (the other server test modules find it in the base temp dir)."""
-    path = tmp_path_factory.getbasetemp() / "tiny-chat-model"
-    if not (path / "model.safetensors").exists():
-        save_tiny_chat_model(path, smollm2_gguf)
-    return path
 
 
 @pytest.fixture(scope="module")

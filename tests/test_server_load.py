@@ -19,7 +19,7 @@ from pathlib import Path
 
 import aiohttp
 import pytest
-from serving import running_server, save_tiny_chat_model
+from serving import running_server
 
 FLAGS = ["--max-batch", "8", "--token-budget", "64", "--num-pages", "512", "--max-model-len", "512"]
 MODEL = "tiny"
@@ -27,15 +27,6 @@ MAX_BATCH = 8
 MAX_QUEUE = 16  # fixed bound of the waiting queue
 STREAM_BUFFER = 16  # outputs a request may have unread before the engine cancels it
 TIMEOUT = aiohttp.ClientTimeout(total=120)
-
-
-@pytest.fixture(scope="session")
-def tiny_model(tmp_path_factory, smollm2_gguf):
-    """Saved once per session (the other server test modules find it in the base temp dir)."""
-    path = tmp_path_factory.getbasetemp() / "tiny-chat-model"
-    if not (path / "model.safetensors").exists():
-        save_tiny_chat_model(path, smollm2_gguf)
-    return path
 
 
 @pytest.fixture(scope="module")
