@@ -52,7 +52,10 @@ class SamplingParams:
 
     temperature 0 means greedy. top_k 0 (or -1), top_p 1 and min_p 0 disable those
     filters; penalties at 0 (presence, frequency) or 1 (repetition) are off.
-    `logprobs` asks for the chosen token's log-probability and that many alternatives.
+    `logprobs` asks for the chosen token's log-probability and that many alternatives;
+    `prompt_logprobs` the same for every prompt token after the first (what scoring,
+    e.g. lm-evaluation-harness's loglikelihood, reads). Such a prompt is computed in
+    full: it takes no cached prefix.
     """
 
     max_tokens: int = 16
@@ -64,6 +67,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     seed: int | None = None
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
@@ -91,8 +95,10 @@ class SamplingParams:
                 raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
         if not self.repetition_penalty > 0:
             raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
-            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value <= MAX_LOGPROBS:
+                raise ValueError(f"{name} must be in [0, {MAX_LOGPROBS}], got {value}")
         if self.min_tokens < 0 or self.min_tokens > self.max_tokens:
             raise ValueError(
                 f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}"

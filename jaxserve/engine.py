@@ -12,7 +12,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from jaxserve.config import SamplingParams
@@ -39,6 +39,10 @@ class _Live:
     state: SequenceState
     stream: OutputStream
     admitted_time: float | None = None
+    # prompt logprobs gathered chunk by chunk (requests asking for them); the first
+    # prompt token has none
+    prompt_logprobs: list[float | None] = field(default_factory=lambda: [None])
+    prompt_top_logprobs: list[dict[int, float] | None] = field(default_factory=lambda: [None])
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,6 +155,8 @@ class Engine:
         sampled = {
             c.seq.request_id: row for row, c in enumerate(out.chunks) if c.samples
         }
+        for request_id, rows in results.prompt_logprobs.items():
+            self._gather_prompt_logprobs(request_id, rows)
         self.scheduler.update(
             out, {rid: int(results.tokens[row]) for rid, row in sampled.items()}
         )
@@ -171,12 +177,22 @@ class Engine:
         for request_id in cancels:
             self._finish(request_id, "abort")
 
+    def _gather_prompt_logprobs(self, request_id: str, rows: StepResults) -> None:
+        live = self.live[request_id]
+        n = live.request.params.prompt_logprobs
+        room = len(live.request.prompt_ids) - len(live.prompt_logprobs)  # the last has none
+        for i in range(min(room, len(rows.tokens))):
+            live.prompt_logprobs.append(float(rows.logprobs[i]))
+            ids, values = rows.top_ids[i, :n], rows.top_logprobs[i, :n]
+            live.prompt_top_logprobs.append({int(t): float(v) for t, v in zip(ids, values)})
+
     def _emit(self, request_id: str, results: StepResults, row: int) -> None:
         live = self.live[request_id]
         token = int(results.tokens[row])
         first = not live.state.output_ids
         text = live.state.append(token)
         logprobs = top = None
+        prompt = live.request.params.prompt_logprobs is not None
         n = live.request.params.logprobs
         if n is not None:
             logprobs = (float(results.logprobs[row]),)
@@ -191,6 +207,8 @@ class Engine:
             logprobs,
             top,
             queue_seconds=live.admitted_time - live.request.arrival_time if first else None,
+            prompt_logprobs=tuple(live.prompt_logprobs) if first and prompt else None,
+            prompt_top_logprobs=tuple(live.prompt_top_logprobs) if first and prompt else None,
         )
         if not live.stream.push(output, force=output.finished):
             log.warning("output buffer of %s is full: cancelling it", request_id)

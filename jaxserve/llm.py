@@ -31,6 +31,8 @@ class CompletionOutput:
     token_ids: list[int]
     text: str
     finish_reason: str
+    # with SamplingParams(prompt_logprobs=...): per prompt token, None for the first
+    prompt_logprobs: list[float | None] | None = None
 
 
 class LLM:
@@ -123,6 +125,7 @@ class LLM:
         token_ids: list[list[int]] = [[] for _ in prompts]
         texts: list[list[str]] = [[] for _ in prompts]
         reasons: list[str | None] = [None] * len(prompts)
+        prompt_logprobs: list[list[float | None] | None] = [None] * len(prompts)
         while self.engine.has_work():
             self.engine.step()
             for i, stream in enumerate(streams):  # drain as we go: buffers are bounded
@@ -131,12 +134,15 @@ class LLM:
                     token_ids[i].extend(item.token_ids)
                     texts[i].append(item.text)
                     reasons[i] = item.finish_reason
+                    if item.prompt_logprobs is not None:
+                        prompt_logprobs[i] = list(item.prompt_logprobs)
         outputs = [
             CompletionOutput(
-                prompt if isinstance(prompt, str) else None, ids, tokens, "".join(text), reason
+                prompt if isinstance(prompt, str) else None, ids, tokens, "".join(text), reason,
+                scores,
             )
-            for prompt, ids, tokens, text, reason in zip(
-                prompts, encoded, token_ids, texts, reasons
+            for prompt, ids, tokens, text, reason, scores in zip(
+                prompts, encoded, token_ids, texts, reasons, prompt_logprobs
             )
         ]
         return outputs

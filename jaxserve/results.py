@@ -1,6 +1,6 @@
 """The step's results as the host reads them (no jax): one array, unpacked once per step."""
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -18,6 +18,9 @@ class StepResults:
     logprobs: np.ndarray  # f32[num_seqs]
     top_ids: np.ndarray  # i32[num_seqs, MAX_LOGPROBS]
     top_logprobs: np.ndarray  # f32[num_seqs, MAX_LOGPROBS]
+    # request id -> one row per token of its prompt chunk this step: the prompt token
+    # that follows it and that token's logprob (for requests asking prompt logprobs)
+    prompt_logprobs: dict[str, "StepResults"] = field(default_factory=dict)
 
     @staticmethod
     def unpack(results: np.ndarray) -> "StepResults":

@@ -8,6 +8,7 @@ Given a mesh, the weights, the KV pool and the step are laid out by
 `sharding.Layout`; without one everything sits on the default device.
 """
 
+import dataclasses
 import logging
 import sys
 import threading
@@ -28,7 +29,7 @@ from jaxserve.results import StepResults
 from jaxserve.sampling import init_penalty_state
 from jaxserve.scheduler import SchedulerOutput
 from jaxserve.sharding import Layout
-from jaxserve.step import sharded_step, step
+from jaxserve.step import score, sharded_score, sharded_step, step
 
 log = logging.getLogger(__name__)
 
@@ -93,12 +94,13 @@ class ModelRunner:
         )
         self.spare_slot = num_slots
         self.penalties = init_penalty_state(num_slots, cfg.vocab_size)
-        self._step = step
+        self._step, self._score = step, score
         if self.layout is not None:
             # a no-op for weights loaded into their shardings (loader.load with the mesh)
             self.state = jax.device_put(self.state, self.layout.state)
             self.penalties = jax.device_put(self.penalties, self.layout.replicated)
             self._step = sharded_step(self.layout)
+            self._score = sharded_score(self.layout)
         self.step_times: dict[tuple[int, int], float] = {}  # bucket -> median seconds
         self.warm = False
         self.compiles_after_warmup = 0
@@ -119,7 +121,38 @@ class ModelRunner:
             )
             for c in out.chunks
         ]
-        return self._run(chunks, out.bucket)
+        # scored before the step, so the K/V the cache keeps are the step's own
+        prompt = {
+            c.seq.request_id: self._score_chunk(chunk, c.seq.request.prompt_ids)
+            for c, chunk in zip(out.chunks, chunks)
+            if c.seq.in_prefill and c.seq.request.params.prompt_logprobs is not None
+        }
+        results = self._run(chunks, out.bucket)
+        return dataclasses.replace(results, prompt_logprobs=prompt) if prompt else results
+
+    def _score_chunk(self, chunk: Chunk, prompt_ids: tuple[int, ...]) -> StepResults:
+        """Prompt logprobs of a prefill chunk, one row per token (see `step.score`).
+
+        The last prompt token has no prompt token after it: its row's target is 0.
+        """
+        n = len(chunk.token_ids)
+        num_tokens, _ = self.buckets.choose(n, 1)
+        inputs = pack_step(
+            [chunk], self.page_size, num_tokens, 1, self.max_pages, self.spare_slot, self.backend
+        )
+        metadata = dataclasses.replace(
+            inputs.metadata, logits_indices=np.arange(num_tokens, dtype=np.int32)
+        )
+        targets = np.zeros(num_tokens, np.int32)
+        following = prompt_ids[chunk.start + 1 : chunk.start + n + 1]
+        targets[: len(following)] = following
+        before = _COMPILES.count
+        results, self.kv_cache = self._score(
+            self.graphdef, self.state, self.kv_cache, inputs.token_ids, inputs.positions,
+            metadata, targets,
+        )
+        self._count_compiles(before, (num_tokens, 1))
+        return StepResults.unpack(np.asarray(jax.device_get(results))[:n])
 
     def _run(self, chunks: list[Chunk], bucket: tuple[int, int]) -> StepResults:
         num_tokens, num_seqs = bucket
@@ -137,20 +170,27 @@ class ModelRunner:
             self.graphdef, self.state, self.kv_cache, self.penalties, inputs
         )
         results = StepResults.unpack(np.asarray(jax.device_get(results)))
+        self._count_compiles(before, bucket)
+        return results
+
+    def _count_compiles(self, before: int, bucket: tuple[int, int]) -> None:
         if self.warm and _COMPILES.count > before:
             self.compiles_after_warmup += _COMPILES.count - before
             log.error("compiled while serving: bucket %s (a shape outside the table)", bucket)
-        return results
 
     def warmup(self, repeats: int = 3) -> dict[tuple[int, int], float]:
         """Compile and time every bucket on dummy inputs that touch only the null page.
 
         The dummy rows sit at the end of the longest context, so the measured step
-        times are the worst case that the TPOT bound needs.
+        times are the worst case that the TPOT bound needs. The prompt-logprob pass
+        (`step.score`) is compiled for every token size too.
         """
+        context = self.max_pages * self.page_size
+        for num_tokens in self.buckets.token_sizes:
+            start = context - num_tokens
+            self._score_chunk(Chunk([0] * num_tokens, start, [NULL_PAGE] * self.max_pages), ())
         buckets = self.buckets.buckets()
         show = sys.stderr.isatty()
-        context = self.max_pages * self.page_size
         for i, (num_tokens, num_seqs) in enumerate(buckets):
             n = num_tokens // num_seqs
             dummy = [Chunk([0] * n, context - n, [NULL_PAGE] * self.max_pages)] * num_seqs

@@ -208,8 +208,12 @@ class Scheduler:
 
     def _cached_prefix(self, request: Request) -> list[int]:
         """Cached pages of the request's leading full prompt pages, leaving one token to run."""
-        # The repetition penalty needs every prompt token in the step's inputs.
-        if not self.prefix_caching or request.params.repetition_penalty != 1.0:
+        # The repetition penalty needs every prompt token in the step's inputs, and
+        # prompt logprobs need every prompt token's logits.
+        params = request.params
+        if not self.prefix_caching or params.repetition_penalty != 1.0 or (
+            params.prompt_logprobs is not None
+        ):
             return []
         usable = (len(request.prompt_ids) - 1) // self.page_size
         keys = page_keys(request.prompt_ids[: usable * self.page_size], self.page_size,

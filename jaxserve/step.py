@@ -4,7 +4,8 @@ Model weights enter as an NNX (graphdef, state) pair split once, so each call is
 plain `jax.jit` of a pure function. The KV cache and the penalty state are donated
 and updated in place. The step's results leave the device as one array.
 
-`step` and `forward` run on one device. `sharded_step` and `sharded_forward` jit
+`score` is the forward pass of one prompt chunk with logits at every token, for
+prompt logprobs. `step`, `score` and `forward` run on one device; the `sharded_` ones jit
 the same functions for a mesh, with the shardings of a `sharding.Layout`: weights
 and KV as its rules say, everything else (page table, tokens, sampling tensors,
 penalties, results) replicated. Results come back replicated, so every process
@@ -74,18 +75,42 @@ def _step(
     penalties = record_prompt(penalties, params, inputs.token_ids)
     tokens = sample(apply_penalties(logits, penalties, params), params)
     penalties = record_output(penalties, params, tokens)
+    return _results(logits, tokens), kv_cache, penalties
+
+
+def _score(
+    graphdef: nnx.GraphDef,
+    state: nnx.State,
+    kv_cache: KVCache,
+    token_ids: jax.Array,  # i32[num_tokens]
+    positions: jax.Array,  # i32[num_tokens]
+    metadata: AttentionMetadata,  # logits_indices: every token
+    targets: jax.Array,  # i32[num_tokens] the token that follows each one
+) -> tuple[jax.Array, KVCache]:
+    """Prompt logprobs: each target's log-probability after the tokens before it.
+
+    Returns f32[num_tokens, RESULT_WIDTH] (the `StepResults` layout, targets as the
+    tokens) and the cache, its K/V written as the step writes them.
+    """
+    model = nnx.merge(graphdef, state)
+    logits, kv_cache = model(token_ids, positions, kv_cache, metadata)
+    return _results(logits, targets), kv_cache
+
+
+def _results(logits: jax.Array, tokens: jax.Array) -> jax.Array:
+    """One f32 array per row: token, its logprob, the top ids and their logprobs."""
     chosen, top_ids, top_logprobs = token_logprobs(logits, tokens)
     # ids < 2**24 are exact in f32, so one array carries everything back
-    results = jnp.concatenate(
+    return jnp.concatenate(
         [tokens[:, None].astype(jnp.float32), chosen[:, None], top_ids.astype(jnp.float32),
          top_logprobs],
         axis=1,
     )
-    return results, kv_cache, penalties
 
 
 forward = jax.jit(_forward, static_argnums=0, donate_argnums=2)
 step = jax.jit(_step, static_argnums=0, donate_argnums=(2, 3))
+score = jax.jit(_score, static_argnums=0, donate_argnums=2)
 
 
 def sharded_forward(layout: Layout) -> Callable:
@@ -96,6 +121,18 @@ def sharded_forward(layout: Layout) -> Callable:
         static_argnums=0,
         donate_argnums=2,
         in_shardings=(layout.state, layout.kv_cache, r, r, r),
+        out_shardings=(r, layout.kv_cache),
+    )
+
+
+def sharded_score(layout: Layout) -> Callable:
+    """`score` jitted for `layout`'s mesh: the same arguments, results replicated."""
+    r = layout.replicated
+    return jax.jit(
+        _score,
+        static_argnums=0,
+        donate_argnums=2,
+        in_shardings=(layout.state, layout.kv_cache, r, r, r, r),
         out_shardings=(r, layout.kv_cache),
     )
 

@@ -24,6 +24,10 @@ class RequestOutput:
     logprobs: tuple[float, ...] | None = None  # of each new token, when asked for
     top_logprobs: tuple[dict[int, float], ...] | None = None  # alternatives per new token
     queue_seconds: float | None = None  # on the first token: arrival to admission
+    # on the first token, when asked for: per prompt token (None for the first one)
+    # its logprob after the tokens before it, and the alternatives there
+    prompt_logprobs: tuple[float | None, ...] | None = None
+    prompt_top_logprobs: tuple[dict[int, float] | None, ...] | None = None
 
     @property
     def finished(self) -> bool:

@@ -213,12 +213,12 @@ class Server:
         policy = self.tenants.identify(request.headers)
         req = decode(await request.read(), CompletionRequest)
         self._check_model(req.model)
-        if req.echo and req.logprobs is not None:
-            raise APIError(
-                400, "echo with logprobs (prompt logprobs) is not supported yet", param="echo"
-            )
         prompts = self._prompt_ids(req.prompt)
-        params = sampling_params(req, req.max_tokens, req.logprobs, default_max_tokens=16)
+        # echo with logprobs scores the prompt too (lm-evaluation-harness's loglikelihood)
+        scores = req.logprobs if req.echo else None
+        params = sampling_params(
+            req, req.max_tokens, req.logprobs, default_max_tokens=16, prompt_logprobs=scores
+        )
         self._check_context(prompts, params.max_tokens, "prompt")
         return await self._serve(request, policy, prompts, params, req, chat=False)
 
@@ -352,6 +352,9 @@ class Server:
                 }
                 if req.logprobs is not None:
                     item["logprobs"] = fmt.completion_logprobs(tokenizer, c.outputs, len(prefix))
+                    if req.echo and c.outputs and c.outputs[0].prompt_logprobs is not None:
+                        echoed = fmt.prompt_logprobs(tokenizer, c.prompt_ids, c.outputs[0])
+                        item["logprobs"] = fmt.join_logprobs(echoed, item["logprobs"])
             body_choices.append(item)
         kind = "chat.completion" if chat else "text_completion"
         return _json(fmt.body(kind, response_id, self.model_name, body_choices, usage))
@@ -403,7 +406,9 @@ class Server:
                         "finish_reason": None,
                     }
                 )
-                if chat or req.echo:
+                # echoed with logprobs, the prompt goes out with the first token, which
+                # brings the prompt's logprobs
+                if chat or (req.echo and req.logprobs is None):
                     await _send(resp, chunk([first]))
             done = 0
             while done < len(choices):
@@ -429,6 +434,13 @@ class Server:
                     }
                     if req.logprobs is not None and out.token_ids:
                         item["logprobs"] = fmt.completion_logprobs(tokenizer, [out], 0)
+                    if out.prompt_logprobs is not None:  # echo with logprobs: the first token
+                        echo = tokenizer.decode(choice.prompt_ids)
+                        item["text"] = echo + out.text
+                        item["logprobs"] = fmt.join_logprobs(
+                            fmt.prompt_logprobs(tokenizer, choice.prompt_ids, out),
+                            fmt.completion_logprobs(tokenizer, [out], len(echo)),
+                        )
                 if out.text or out.finished or item["logprobs"]:
                     await _send(resp, chunk([item]))
             if req.stream_options is not None and req.stream_options.include_usage:

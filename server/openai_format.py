@@ -37,6 +37,33 @@ def completion_logprobs(tokenizer: Tokenizer, outputs: list[RequestOutput], offs
     }
 
 
+def prompt_logprobs(tokenizer: Tokenizer, prompt_ids: list[int], first: RequestOutput) -> dict:
+    """The completions `logprobs` object of an echoed prompt (OpenAI's legacy layout:
+    the first token has no logprob and no alternatives)."""
+    tokens, offsets, offset = [], [], 0
+    for token_id in prompt_ids:
+        text = _token_text(tokenizer, token_id)
+        tokens.append(text)
+        offsets.append(offset)
+        offset += len(text)
+    top = [
+        None if alternatives is None
+        else {_token_text(tokenizer, i): v for i, v in alternatives.items()}
+        for alternatives in first.prompt_top_logprobs
+    ]
+    return {
+        "tokens": tokens,
+        "token_logprobs": list(first.prompt_logprobs),
+        "top_logprobs": top,
+        "text_offset": offsets,
+    }
+
+
+def join_logprobs(first: dict, second: dict) -> dict:
+    """Two completions `logprobs` objects, one after the other."""
+    return {key: first[key] + second[key] for key in first}
+
+
 def chat_logprobs(tokenizer: Tokenizer, outputs: list[RequestOutput]) -> dict:
     """The chat `logprobs` object: one entry per token with its top alternatives."""
     content = []

@@ -124,7 +124,11 @@ def _check_number(name: str, value: float | None) -> None:
 
 
 def sampling_params(
-    req: _Common, max_tokens: int | None, logprobs: int | None, default_max_tokens: int
+    req: _Common,
+    max_tokens: int | None,
+    logprobs: int | None,
+    default_max_tokens: int,
+    prompt_logprobs: int | None = None,
 ) -> SamplingParams:
     """SamplingParams from a request's fields, or a 400 naming the bad one."""
     for name in (
@@ -155,6 +159,7 @@ def sampling_params(
         "frequency_penalty": req.frequency_penalty,
         "repetition_penalty": req.repetition_penalty,
         "logprobs": logprobs,
+        "prompt_logprobs": prompt_logprobs,
         "seed": req.seed,
         "stop": tuple(s for s in stop if s),
         "stop_token_ids": tuple(req.stop_token_ids or ()),

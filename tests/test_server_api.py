@@ -231,6 +231,44 @@ def test_echo_lists_of_prompts_and_token_ids(client, tokenizer):
     assert [c.text for c in two.choices] == [many.choices[0].text, many.choices[2].text]
 
 
+def test_echo_with_logprobs_scores_the_prompt_as_transformers_does(client, tokenizer,
+                                                                    tiny_model):
+    """lm-evaluation-harness's loglikelihood request: every prompt token's logprob.
+
+    The prompt spans two prefill chunks (token budget 64), and the same prompt was
+    sent just before, so its pages sit in the prefix cache: scoring must not take them.
+    """
+    import torch
+    import transformers
+
+    text = " ".join(f"word{i} is number {i}." for i in range(14))
+    ids = tokenizer.encode(text)
+    assert 64 < len(ids) < 200
+    client.completions.create(model=MODEL, prompt=text, max_tokens=1)  # fills the cache
+    args = {"model": MODEL, "prompt": text, "max_tokens": 2, "echo": True, "logprobs": 1,
+            "temperature": 0}
+    out = client.completions.create(**args)
+    lp = out.choices[0].logprobs
+    assert out.choices[0].text.startswith(text)
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(ids) + 2
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert lp.tokens[: len(ids)] == [tokenizer.decode([i]) for i in ids]
+
+    model = transformers.LlamaForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits[0]
+    want = torch.log_softmax(logits, -1)[torch.arange(len(ids) - 1), torch.tensor(ids[1:])]
+    got = torch.tensor(lp.token_logprobs[1 : len(ids)])
+    assert torch.abs(got - want).max() < 1e-4
+    for chosen, top in zip(lp.token_logprobs[1:], lp.top_logprobs[1:]):
+        assert max(top.values()) >= chosen - 1e-4  # the greedy alternative is the best
+
+    streamed = list(client.completions.create(**args, stream=True))
+    chunks = [c.choices[0] for c in streamed if c.choices and c.choices[0].logprobs]
+    assert "".join(c.choices[0].text for c in streamed) == out.choices[0].text
+    assert [t for c in chunks for t in c.logprobs.token_logprobs] == lp.token_logprobs
+
+
 # ---------------------------------------------------------------- chat
 
 
