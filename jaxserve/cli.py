@@ -110,6 +110,10 @@ def _engine_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--compilation-cache-dir", default=".cache/jax")
     group.add_argument("--stream-buffer", type=int, default=256, help="outputs per request")
     group.add_argument("--no-prefix-cache", action="store_true", help="never reuse KV pages")
+    group.add_argument(
+        "--reserved-rows", type=int, default=None,
+        help="batch rows no tenant may take while another is active (default max-batch/8)",
+    )
     group.add_argument("--tp", type=int, default=1, help="tensor-parallel devices (mesh 'model')")
     group.add_argument("--dp", type=int, default=1, help="data-parallel replicas (mesh 'data')")
 
@@ -129,6 +133,7 @@ def _engine_config(args: argparse.Namespace):
         compilation_cache_dir=args.compilation_cache_dir or None,
         stream_capacity=args.stream_buffer,
         prefix_caching=not args.no_prefix_cache,
+        reserved_rows=args.reserved_rows,
         tp=args.tp,
         dp=args.dp,
     )

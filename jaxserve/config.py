@@ -120,6 +120,8 @@ class EngineConfig:
     compilation_cache_dir: str | None = None
     stream_capacity: int = 64  # outputs buffered per request before it is cancelled
     prefix_caching: bool = True  # reuse cached full pages of earlier prompts
+    # rows no tenant may take while another is active (see scheduler); None: max(1, max_batch // 8)
+    reserved_rows: int | None = None
     debug_checks: bool = False  # verify page ownership every step (tests turn it on)
     tp: int = 1  # tensor parallelism: devices on the mesh's "model" axis
     dp: int = 1  # data parallelism: weight replicas on the mesh's "data" axis
@@ -129,6 +131,11 @@ class EngineConfig:
             raise ValueError("page_size must be >= 1 and num_pages >= 2")
         if self.tp < 1 or self.dp < 1:
             raise ValueError(f"tp and dp must be at least 1, got tp={self.tp}, dp={self.dp}")
+        if self.reserved_rows is not None and not 0 <= self.reserved_rows < self.max_batch:
+            raise ValueError(
+                f"reserved_rows must be in [0, max_batch={self.max_batch}), got "
+                f"{self.reserved_rows}"
+            )
         if self.max_batch < 1 or self.token_budget < self.max_batch:
             raise ValueError(
                 f"need 1 <= max_batch ({self.max_batch}) <= token_budget ({self.token_budget})"

@@ -87,6 +87,7 @@ class LLM:
             max_model_len,
             cfg.token_budget,
             cfg.prefix_caching,
+            max(1, max_batch // 8) if cfg.reserved_rows is None else cfg.reserved_rows,
         )
         eos = self.config.eos_token_ids or self.tokenizer.eos_token_ids
         self.engine = Engine(

@@ -1,9 +1,13 @@
 """Iteration-level scheduling: every step, admit, plan chunks, pick the bucket (no jax).
 
 Admission order: the most urgent priority class first; inside it, the tenant with
-the fewest running sequences (fair share, so one tenant's flood cannot take every
-row); first come, first served inside a tenant. A request whose pages do not fit
-blocks those behind it rather than being overtaken forever.
+the fewest running sequences (fair share); first come, first served inside a
+tenant. A request whose pages do not fit blocks those behind it rather than being
+overtaken forever. While more than one tenant is active (has sent a request in the
+last ACTIVE_WINDOW_S seconds), no tenant may hold more than max_batch −
+reserved_rows rows: without preemption, a row kept free is what lets another
+tenant's request start at the next step instead of after one of the flood's
+requests ends. A tenant alone uses the whole batch.
 
 Prefix caching: a new request reuses every leading full page of its prompt that
 is already cached (for its cache salt) and prefills only the rest. At least one
@@ -18,12 +22,15 @@ step samples the next one. Admission reserves the request's maximum pages,
 ceil((prompt + max_tokens) / page_size), and never preempts a running sequence.
 """
 
+import time
 from collections import Counter, deque
 from dataclasses import dataclass, field
 
 from jaxserve.buckets import BucketTable
 from jaxserve.page_allocator import PageAllocator, page_keys
 from jaxserve.request import Request, RequestRejected
+
+ACTIVE_WINDOW_S = 30.0  # a tenant that sent a request this recently shares the batch
 
 
 @dataclass
@@ -96,6 +103,7 @@ class Scheduler:
     max_model_len: int
     token_budget: int = 512
     prefix_caching: bool = True
+    reserved_rows: int = 0  # rows no tenant may take while others are active
     waiting: deque[Request] = field(default_factory=deque)
     running: dict[str, RunningSequence] = field(default_factory=dict)  # in admission order
     step_index: int = 0
@@ -103,6 +111,7 @@ class Scheduler:
     running_per_tenant: Counter = field(default_factory=Counter)
     prefix_queries: int = 0  # prompt tokens looked up in the prefix cache
     prefix_hits: int = 0  # of which found cached
+    last_arrival: dict[str, float] = field(default_factory=dict)  # tenant -> arrival_time
 
     def __post_init__(self) -> None:
         if self.token_budget < self.max_batch:
@@ -133,6 +142,8 @@ class Scheduler:
     def add(self, request: Request) -> None:
         self.check(request)
         self.waiting.append(request)
+        last = self.last_arrival.get(request.tenant, request.arrival_time)
+        self.last_arrival[request.tenant] = max(last, request.arrival_time)
 
     def finish(self, request_id: str) -> None:
         """Drop a finished or cancelled request, freeing its pages at once."""
@@ -164,14 +175,25 @@ class Scheduler:
         self.step_index += 1
         return out
 
+    def row_cap(self) -> int:
+        """Rows one tenant may hold now: all of them unless other tenants are active."""
+        horizon = time.monotonic() - ACTIVE_WINDOW_S
+        self.last_arrival = {t: a for t, a in self.last_arrival.items() if a >= horizon}
+        if len(self.last_arrival) < 2:
+            return self.max_batch
+        return max(1, self.max_batch - self.reserved_rows)
+
     def next_waiting(self) -> Request | None:
         """The request admission takes next (see the module docstring)."""
         best, best_key = None, None
         seen_tenants = set()
+        cap = self.row_cap()
         for request in self.waiting:  # oldest first: each tenant's first request competes
             if request.tenant in seen_tenants:
                 continue
             seen_tenants.add(request.tenant)
+            if self.running_per_tenant[request.tenant] >= cap:
+                continue
             key = (request.priority, self.running_per_tenant[request.tenant])
             if best_key is None or key < best_key:
                 best, best_key = request, key
@@ -181,6 +203,8 @@ class Scheduler:
         admitted = []
         while self.waiting and len(self.running) < self.max_batch:
             request = self.next_waiting()
+            if request is None:  # every waiting tenant is at its row cap
+                break
             cached = self._cached_prefix(request)
             self.allocator.share(request.request_id, cached)  # held now: never evicted below
             need = self.pages_needed(request) - len(cached)

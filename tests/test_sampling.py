@@ -34,6 +34,7 @@ def rows(n, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seeds=None, counters
         first_chunk=full(False, bool),
         samples=full(True, bool),
         prompt_slots=np.full(num_tokens, n, np.int32),
+        wants_logprobs=full(False, bool),
     )
 
 
@@ -68,6 +69,20 @@ def test_frequencies_follow_softmax():
     draws = sample(logits, rows(n, seeds=range(n)))
     freq = np.bincount(np.asarray(draws), minlength=3) / n
     np.testing.assert_allclose(freq, [0.6, 0.3, 0.1], atol=0.03)
+
+
+def test_draws_across_blocks_follow_the_weights_and_skip_masked_tokens():
+    """The two-level inverse CDF over a vocabulary of several 256-token blocks."""
+    n, vocab = 4000, 700
+    probs = {3: 0.2, 255: 0.1, 256: 0.3, 699: 0.4}  # block edges and the padded tail
+    logits = np.full((n, vocab), -np.inf, np.float32)
+    for token, p in probs.items():
+        logits[:, token] = np.log(p)
+    draws = np.asarray(sample(jnp.asarray(logits), rows(n, seeds=range(n))))
+    assert set(draws) <= set(probs)
+    freq = {t: np.mean(draws == t) for t in probs}
+    for token, p in probs.items():
+        assert abs(freq[token] - p) < 0.03, freq
 
 
 def test_seeded_rows_do_not_depend_on_their_neighbours():
