@@ -127,7 +127,7 @@ def replay(
     max_len = max(r.prompt_tokens + r.output_tokens for r in trace)
     pages_per_seq = -(-max_len // page_size)
     scheduler = Scheduler(
-        PageAllocator(1 + max_batch * pages_per_seq), table, page_size, max_batch, max_len,
+        [PageAllocator(1 + max_batch * pages_per_seq)], table, page_size, max_batch, max_len,
         token_budget, prefix_caching=False,
     )
     pending = sorted(enumerate(trace), key=lambda item: item[1].arrival_step, reverse=True)

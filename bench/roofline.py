@@ -86,7 +86,8 @@ def measure_decode(llm: LLM, batch: int, context: int, steps: int) -> dict:
     scheduler, runner = llm.scheduler, llm.runner
     bucket = scheduler.buckets.choose(batch, batch)
     out = fabricated_step(
-        scheduler.allocator, bucket, batch, 1, context, scheduler.page_size, llm.config.vocab_size
+        scheduler.allocators[0], bucket, batch, 1, context, scheduler.page_size,
+        llm.config.vocab_size,
     )
     try:
         for _ in range(3):  # compile, then two warm steps
@@ -97,7 +98,7 @@ def measure_decode(llm: LLM, batch: int, context: int, steps: int) -> dict:
             runner.execute(out)
             times.append(time.perf_counter() - start)
     finally:
-        release(scheduler.allocator, out)
+        release(scheduler.allocators[0], out)
     times.sort()
     return {
         "bucket": list(bucket),

@@ -53,6 +53,13 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="one prefix cache for all tenants (default with API keys: one per tenant)",
     )
+    hosts = serve.add_argument_group("multi-host (every process runs the same command)")
+    hosts.add_argument("--coordinator", help="HOST:PORT of process 0's coordination service")
+    hosts.add_argument("--num-processes", type=int, default=1)
+    hosts.add_argument(
+        "--process-id", type=int, default=0,
+        help="0 serves HTTP and schedules; the others run process 0's steps",
+    )
     _engine_flags(serve)
 
     _plan_flags(commands.add_parser("plan", help="size a deployment: KV pool, batch, replicas"))
@@ -115,7 +122,10 @@ def _engine_flags(parser: argparse.ArgumentParser) -> None:
         help="batch rows no tenant may take while another is active (default max-batch/8)",
     )
     group.add_argument("--tp", type=int, default=1, help="tensor-parallel devices (mesh 'model')")
-    group.add_argument("--dp", type=int, default=1, help="data-parallel replicas (mesh 'data')")
+    group.add_argument(
+        "--dp", type=int, default=1,
+        help="data shards of the batch (mesh 'data'); batch, pages and budget are per shard",
+    )
 
 
 def _engine_config(args: argparse.Namespace):
@@ -143,6 +153,15 @@ def _serve(args: argparse.Namespace) -> int:
     from server.admission import QueuePolicy
     from server.app import ServerConfig, run
 
+    if args.num_processes > 1:
+        from jaxserve import multihost
+
+        if not args.coordinator:
+            raise SystemExit("--num-processes > 1 needs --coordinator HOST:PORT")
+        multihost.initialize(args.coordinator, args.num_processes, args.process_id)
+        if not multihost.is_leader():
+            return _follow(args)
+
     run(
         ServerConfig(
             model=args.model,
@@ -154,7 +173,7 @@ def _serve(args: argparse.Namespace) -> int:
             queue=QueuePolicy(
                 max_queue=args.max_queue,
                 wait_budget_s=args.queue_wait_budget_ms / 1000,
-                min_queue=args.max_batch,
+                min_queue=args.max_batch * args.dp,
                 max_queued_tokens=args.max_queued_tokens,
             ),
             max_body_bytes=args.max_body_bytes,
@@ -164,6 +183,20 @@ def _serve(args: argparse.Namespace) -> int:
             engine=_engine_config(args),
         )
     )
+    return 0
+
+
+def _follow(args: argparse.Namespace) -> int:
+    """A process other than 0: load the same model and engine, run process 0's steps."""
+    import logging
+
+    from jaxserve import multihost
+    from jaxserve.llm import LLM
+
+    logging.basicConfig(  # force: importing jax has set up a handler already
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s", force=True
+    )
+    multihost.follow(LLM(args.model, _engine_config(args)).runner)
     return 0
 
 

@@ -110,9 +110,9 @@ class EngineConfig:
     """Sizes of the KV page pool, the batch and the step; what the engine allocates once."""
 
     page_size: int = 16
-    num_pages: int = 1024  # including the reserved null page
-    max_batch: int = 16  # rows in the running batch (lowered by tpot_slo_ms when set)
-    token_budget: int = 512  # tokens a step computes: decodes plus prefill chunks
+    num_pages: int = 1024  # including the reserved null page; per data shard
+    max_batch: int = 16  # rows in the running batch, per data shard (lowered by tpot_slo_ms)
+    token_budget: int = 512  # tokens a step computes (decodes + prefill chunks), per shard
     max_model_len: int | None = None  # None: the model's context, capped by the pool
     dtype: str = "float32"  # f32 serves fastest on CPU; bf16 on accelerators
     attention_backend: str | None = None  # None: by platform (see attention.select_backend)
@@ -120,11 +120,12 @@ class EngineConfig:
     compilation_cache_dir: str | None = None
     stream_capacity: int = 64  # outputs buffered per request before it is cancelled
     prefix_caching: bool = True  # reuse cached full pages of earlier prompts
-    # rows no tenant may take while another is active (see scheduler); None: max(1, max_batch // 8)
+    # rows no tenant may take while another is active (see scheduler);
+    # None: max(1, max_batch // 8)
     reserved_rows: int | None = None
     debug_checks: bool = False  # verify page ownership every step (tests turn it on)
     tp: int = 1  # tensor parallelism: devices on the mesh's "model" axis
-    dp: int = 1  # data parallelism: weight replicas on the mesh's "data" axis
+    dp: int = 1  # data parallelism: shards of the batch on the mesh's "data" axis
 
     def __post_init__(self) -> None:
         if self.page_size < 1 or self.num_pages < 2:

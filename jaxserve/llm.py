@@ -80,7 +80,7 @@ class LLM:
             if cfg.tpot_slo_ms is not None:
                 max_batch = max(1, self.runner.max_batch_under(cfg.tpot_slo_ms / 1000))
         self.scheduler = Scheduler(
-            PageAllocator(cfg.num_pages),
+            [PageAllocator(cfg.num_pages) for _ in range(cfg.dp)],
             buckets,
             cfg.page_size,
             max_batch,

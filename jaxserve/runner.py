@@ -5,7 +5,11 @@ second start is fast. Backend compiles are counted through jax.monitoring; one
 after warm-up means a shape escaped the bucket table, and is logged as an error.
 
 Given a mesh, the weights, the KV pool and the step are laid out by
-`sharding.Layout`; without one everything sits on the default device.
+`sharding.Layout`; without one everything sits on the default device. With dp
+data shards the KV pool holds dp pools of `num_pages` pages one after the other
+(page ids are shard-local) and the penalty state dp × (num_slots + 1) rows; each
+shard's batch is packed on its own and the packs are concatenated, so the step
+(`step.sharded_step`) runs each shard's rows on its own devices.
 """
 
 import dataclasses
@@ -24,12 +28,13 @@ from jaxserve.attention import select_backend
 from jaxserve.batch import Chunk, pack_step
 from jaxserve.buckets import BucketTable
 from jaxserve.kv_cache import init_kv_cache
+from jaxserve.multihost import SCORE, STEP, StepChannel, is_leader
 from jaxserve.page_allocator import NULL_PAGE
 from jaxserve.results import StepResults
 from jaxserve.sampling import init_penalty_state
 from jaxserve.scheduler import SchedulerOutput
-from jaxserve.sharding import Layout
-from jaxserve.step import score, sharded_score, sharded_step, step
+from jaxserve.sharding import DATA, Layout
+from jaxserve.step import StepInputs, score, sharded_score, sharded_step, step
 
 log = logging.getLogger(__name__)
 
@@ -86,21 +91,27 @@ class ModelRunner:
         self.page_size = page_size
         self.max_pages = -(-max_model_len // page_size)
         self.backend = select_backend(attention_backend)
-        kv_shape = (cfg.num_layers, cfg.num_kv_heads, num_pages, page_size, cfg.head_dim)
+        self.num_shards = 1 if mesh is None else mesh.shape[DATA]
+        pool = num_pages * self.num_shards
+        kv_shape = (cfg.num_layers, cfg.num_kv_heads, pool, page_size, cfg.head_dim)
         self.layout = None if mesh is None else Layout.build(mesh, self.state, kv_shape)
         self.kv_cache = init_kv_cache(
-            cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, num_pages, page_size, dtype,
+            cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, pool, page_size, dtype,
             None if self.layout is None else self.layout.kv_cache.k,
         )
-        self.spare_slot = num_slots
-        self.penalties = init_penalty_state(num_slots, cfg.vocab_size)
+        self.spare_slot = num_slots  # each shard's last penalty row
+        self.penalties = init_penalty_state(
+            self.num_shards * (num_slots + 1) - 1, cfg.vocab_size
+        )
         self._step, self._score = step, score
         if self.layout is not None:
             # a no-op for weights loaded into their shardings (loader.load with the mesh)
             self.state = jax.device_put(self.state, self.layout.state)
-            self.penalties = jax.device_put(self.penalties, self.layout.replicated)
+            self.penalties = jax.device_put(self.penalties, self.layout.data)
             self._step = sharded_step(self.layout)
             self._score = sharded_score(self.layout)
+        # process 0 of several announces each device call to the others (multihost)
+        self.channel = StepChannel() if jax.process_count() > 1 and is_leader() else None
         self.step_times: dict[tuple[int, int], float] = {}  # bucket -> median seconds
         self.warm = False
         self.compiles_after_warmup = 0
@@ -121,57 +132,102 @@ class ModelRunner:
             )
             for c in out.chunks
         ]
+        shards = [c.seq.shard for c in out.chunks]
         # scored before the step, so the K/V the cache keeps are the step's own
         prompt = {
-            c.seq.request_id: self._score_chunk(chunk, c.seq.request.prompt_ids)
-            for c, chunk in zip(out.chunks, chunks)
+            c.seq.request_id: self._score_chunk(chunk, c.seq.request.prompt_ids, shard)
+            for c, chunk, shard in zip(out.chunks, chunks, shards)
             if c.seq.in_prefill and c.seq.request.params.prompt_logprobs is not None
         }
-        results = self._run(chunks, out.bucket)
+        results = self._run(chunks, shards, out.bucket)
         return dataclasses.replace(results, prompt_logprobs=prompt) if prompt else results
 
-    def _score_chunk(self, chunk: Chunk, prompt_ids: tuple[int, ...]) -> StepResults:
+    def _score_chunk(
+        self, chunk: Chunk, prompt_ids: tuple[int, ...], shard: int = 0
+    ) -> StepResults:
         """Prompt logprobs of a prefill chunk, one row per token (see `step.score`).
 
         The last prompt token has no prompt token after it: its row's target is 0.
+        Other data shards score nothing (padding) meanwhile.
         """
         n = len(chunk.token_ids)
         num_tokens, _ = self.buckets.choose(n, 1)
-        inputs = pack_step(
-            [chunk], self.page_size, num_tokens, 1, self.max_pages, self.spare_slot, self.backend
-        )
-        metadata = dataclasses.replace(
-            inputs.metadata, logits_indices=np.arange(num_tokens, dtype=np.int32)
-        )
-        targets = np.zeros(num_tokens, np.int32)
+        packs = [self._score_pack([chunk] if s == shard else [], num_tokens)
+                 for s in range(self.num_shards)]
         following = prompt_ids[chunk.start + 1 : chunk.start + n + 1]
-        targets[: len(following)] = following
+        packs[shard][3][: len(following)] = following
+        inputs = _concatenate(packs)
+        if self.channel is not None:
+            self.channel.send(SCORE, (num_tokens, 1), inputs)
+        results = self.dispatch_score(inputs, num_tokens)
+        rows = np.asarray(jax.device_get(results)).reshape(self.num_shards, num_tokens, -1)
+        return StepResults.unpack(rows[shard, :n])
+
+    def _score_pack(self, chunks: list[Chunk], num_tokens: int) -> tuple:
+        """One shard's `score` inputs: tokens, positions, metadata and zero targets."""
+        inputs = pack_step(
+            chunks, self.page_size, num_tokens, 1, self.max_pages, self.spare_slot, self.backend
+        )
+        every_token = np.arange(num_tokens, dtype=np.int32)
+        metadata = dataclasses.replace(inputs.metadata, logits_indices=every_token)
+        return inputs.token_ids, inputs.positions, metadata, np.zeros(num_tokens, np.int32)
+
+    def empty_score_inputs(self, num_tokens: int) -> tuple:
+        """`score` inputs of this shape holding nothing (what followers receive into)."""
+        return _concatenate([self._score_pack([], num_tokens)] * self.num_shards)
+
+    def dispatch_score(self, inputs: tuple, num_tokens: int) -> jax.Array:
         before = _COMPILES.count
         results, self.kv_cache = self._score(
-            self.graphdef, self.state, self.kv_cache, inputs.token_ids, inputs.positions,
-            metadata, targets,
+            self.graphdef, self.state, self.kv_cache, *self._global(inputs)
         )
         self._count_compiles(before, (num_tokens, 1))
-        return StepResults.unpack(np.asarray(jax.device_get(results))[:n])
+        return results
 
-    def _run(self, chunks: list[Chunk], bucket: tuple[int, int]) -> StepResults:
+    def _run(self, chunks: list[Chunk], shards: list[int], bucket: tuple[int, int]
+             ) -> StepResults:
+        """Run `chunks` (chunk i on data shard shards[i]); results in the chunks' order."""
+        packs, rows = [], []
+        for s in range(self.num_shards):
+            mine = [i for i, shard in enumerate(shards) if shard == s]
+            packs.append(self._step_pack([chunks[i] for i in mine], bucket))
+            rows += [(i, s * bucket[1] + j) for j, i in enumerate(mine)]
+        inputs = _concatenate(packs)
+        if self.channel is not None:
+            self.channel.send(STEP, bucket, inputs)
+        results = self.dispatch_step(inputs, bucket)
+        order = [row for _, row in sorted(rows)]
+        return StepResults.unpack(np.asarray(jax.device_get(results))[order])
+
+    def _step_pack(self, chunks: list[Chunk], bucket: tuple[int, int]) -> StepInputs:
         num_tokens, num_seqs = bucket
-        inputs = pack_step(
-            chunks,
-            self.page_size,
-            num_tokens,
-            num_seqs,
-            self.max_pages,
-            self.spare_slot,
+        return pack_step(
+            chunks, self.page_size, num_tokens, num_seqs, self.max_pages, self.spare_slot,
             self.backend,
         )
+
+    def empty_step_inputs(self, bucket: tuple[int, int]) -> StepInputs:
+        """Step inputs of this bucket holding nothing (what followers receive into)."""
+        return _concatenate([self._step_pack([], bucket)] * self.num_shards)
+
+    def dispatch_step(self, inputs: StepInputs, bucket: tuple[int, int]) -> jax.Array:
         before = _COMPILES.count
         results, self.kv_cache, self.penalties = self._step(
-            self.graphdef, self.state, self.kv_cache, self.penalties, inputs
+            self.graphdef, self.state, self.kv_cache, self.penalties, self._global(inputs)
         )
-        results = StepResults.unpack(np.asarray(jax.device_get(results)))
         self._count_compiles(before, bucket)
         return results
+
+    def _global(self, inputs: object) -> object:
+        """Host inputs as arrays split over the data shards. Across processes jax takes
+        no numpy input with such a sharding: each process builds its own shards from
+        the inputs every process holds (process 0's, broadcast)."""
+        if jax.process_count() == 1:
+            return inputs
+        return jax.tree.map(
+            lambda x: jax.make_array_from_callback(x.shape, self.layout.data, x.__getitem__),
+            inputs,
+        )
 
     def _count_compiles(self, before: int, bucket: tuple[int, int]) -> None:
         if self.warm and _COMPILES.count > before:
@@ -194,11 +250,13 @@ class ModelRunner:
         for i, (num_tokens, num_seqs) in enumerate(buckets):
             n = num_tokens // num_seqs
             dummy = [Chunk([0] * n, context - n, [NULL_PAGE] * self.max_pages)] * num_seqs
-            self._run(dummy, (num_tokens, num_seqs))  # compile
+            dummy *= self.num_shards  # a full batch on every shard
+            shards = [s for s in range(self.num_shards) for _ in range(num_seqs)]
+            self._run(dummy, shards, (num_tokens, num_seqs))  # compile
             times = []
             for _ in range(repeats):
                 start = time.perf_counter()
-                self._run(dummy, (num_tokens, num_seqs))
+                self._run(dummy, shards, (num_tokens, num_seqs))
                 times.append(time.perf_counter() - start)
             self.step_times[(num_tokens, num_seqs)] = float(np.median(times))
             if show:
@@ -219,3 +277,10 @@ class ModelRunner:
             if worst <= fraction * tpot_slo_s:
                 best = seqs
         return best
+
+
+def _concatenate(packs: list) -> object:
+    """The data shards' packed inputs as one pytree, shard after shard on each leaf's axis 0."""
+    if len(packs) == 1:
+        return packs[0]
+    return jax.tree.map(lambda *leaves: np.concatenate(leaves), *packs)

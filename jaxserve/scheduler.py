@@ -15,6 +15,13 @@ prompt token is always computed, since the step needs logits to sample from, so
 a prompt made only of cached full pages recomputes its last page into a private
 one. Full pages are registered as cached content once their K/V are computed.
 
+Data parallelism: with several data shards, each has its own page pool, its own
+rows and its own token budget, and a sequence lives on one shard for its whole
+life. A new request goes to the least-loaded shard that fits it: the fewest
+tokens left to compute (counting the new request's uncached prompt, so a shard
+holding its prefix gains), then the most free pages. Every shard's batch is
+padded to one common bucket, since the shards run one step together.
+
 One progress rule covers prefill, chunked prefill and decode: a sequence's
 computed tokens catch up with its tokens. Each step a running sequence gets a
 chunk of its not-yet-computed tokens; when the chunk reaches its last token, the
@@ -41,6 +48,7 @@ class RunningSequence:
     pages: list[int]
     slot: int  # stable batch position while running (indexes per-sequence device state)
     token_ids: list[int]  # prompt, then every token sampled so far
+    shard: int = 0  # the data shard holding its pages and its row
     num_computed: int = 0  # tokens whose K/V are in the cache
     admitted_step: int = 0
     num_cached_tokens: int = 0  # prompt tokens reused from the prefix cache
@@ -84,7 +92,7 @@ class SchedulerOutput:
 
     step: int
     chunks: tuple[ScheduledChunk, ...]
-    bucket: tuple[int, int]  # (num_tokens, num_seqs)
+    bucket: tuple[int, int]  # (num_tokens, num_seqs) of every shard's batch
     admitted: tuple[str, ...] = ()
 
     @property
@@ -94,9 +102,12 @@ class SchedulerOutput:
 
 @dataclass
 class Scheduler:
-    """Waiting queue, running batch and page reservations."""
+    """Waiting queue, running batch and page reservations, over one or more data shards.
 
-    allocator: PageAllocator
+    `max_batch` and `token_budget` are per shard; pass one allocator per shard.
+    """
+
+    allocators: list[PageAllocator]
     buckets: BucketTable
     page_size: int
     max_batch: int
@@ -107,7 +118,7 @@ class Scheduler:
     waiting: deque[Request] = field(default_factory=deque)
     running: dict[str, RunningSequence] = field(default_factory=dict)  # in admission order
     step_index: int = 0
-    free_slots: list[int] = field(init=False)
+    free_slots: list[list[int]] = field(init=False)  # per shard
     running_per_tenant: Counter = field(default_factory=Counter)
     prefix_queries: int = 0  # prompt tokens looked up in the prefix cache
     prefix_hits: int = 0  # of which found cached
@@ -120,7 +131,28 @@ class Scheduler:
                 f"({self.max_batch}): every running sequence decodes one token a step"
             )
         self.buckets.choose(self.token_budget, self.max_batch)  # the table must hold a full step
-        self.free_slots = list(range(self.max_batch - 1, -1, -1))  # pop() gives 0 first
+        # pop() gives 0 first
+        self.free_slots = [list(range(self.max_batch - 1, -1, -1)) for _ in self.allocators]
+
+    @property
+    def num_shards(self) -> int:
+        return len(self.allocators)
+
+    @property
+    def num_pages_usable(self) -> int:
+        return sum(a.num_usable for a in self.allocators)
+
+    @property
+    def num_pages_free(self) -> int:
+        return sum(a.num_free for a in self.allocators)
+
+    @property
+    def num_pages_cached(self) -> int:
+        return sum(a.num_cached for a in self.allocators)
+
+    @property
+    def num_pages_used(self) -> int:
+        return sum(a.num_used for a in self.allocators)
 
     def pages_needed(self, request: Request) -> int:
         return -(-request.max_total_tokens // self.page_size)
@@ -133,10 +165,11 @@ class Scheduler:
                 f"({request.params.max_tokens}) = {request.max_total_tokens} exceeds the "
                 f"model's context of {self.max_model_len} tokens"
             )
-        if self.pages_needed(request) > self.allocator.num_usable:
+        pool = self.allocators[0].num_usable
+        if self.pages_needed(request) > pool:
             raise RequestRejected(
-                f"request needs {self.pages_needed(request)} KV pages, the pool has "
-                f"{self.allocator.num_usable}"
+                f"request needs {self.pages_needed(request)} KV pages, the pool has {pool}"
+                + (" per data shard" if self.num_shards > 1 else "")
             )
 
     def add(self, request: Request) -> None:
@@ -149,39 +182,51 @@ class Scheduler:
         """Drop a finished or cancelled request, freeing its pages at once."""
         seq = self.running.pop(request_id, None)
         if seq is not None:
-            self.allocator.free(request_id, seq.pages)
-            self.free_slots.append(seq.slot)
+            self.allocators[seq.shard].free(request_id, seq.pages)
+            self.free_slots[seq.shard].append(seq.slot)
             self.running_per_tenant[seq.request.tenant] -= 1
             return
         self.waiting = deque(r for r in self.waiting if r.request_id != request_id)
 
     def schedule(self) -> SchedulerOutput:
-        """Admit what fits, then plan this step's chunks under the token budget."""
+        """Admit what fits, then plan this step's chunks under each shard's token budget."""
         admitted = self._admit()
+        chunks = []
+        widest = (0, 0)  # (tokens, rows) of the fullest shard
+        for shard in range(self.num_shards):
+            mine = self._plan(shard)
+            chunks += mine
+            tokens = sum(len(c.token_ids) for c in mine)
+            widest = (max(widest[0], tokens), max(widest[1], len(mine)))
+        bucket = self.buckets.choose(*widest) if chunks else (0, 0)
+        out = SchedulerOutput(self.step_index, tuple(chunks), bucket, admitted)
+        self.step_index += 1
+        return out
+
+    def _plan(self, shard: int) -> list[ScheduledChunk]:
+        """One shard's chunks: every decode, then prefill chunks (oldest first) in the budget."""
         budget = self.token_budget
         chunks = []
-        for seq in self.running.values():  # decodes first: they must not wait on prefills
+        running = [seq for seq in self.running.values() if seq.shard == shard]
+        for seq in running:  # decodes first: they must not wait on prefills
             if not seq.in_prefill:
                 chunks.append(self._chunk(seq, 1))
                 budget -= 1
-        for seq in self.running.values():  # then prefill chunks, oldest first
+        for seq in running:
             if seq.in_prefill and budget > 0:
                 n = min(len(seq.token_ids) - seq.num_computed, budget)
                 chunks.append(self._chunk(seq, n))
                 budget -= n
-        num_tokens = sum(len(c.token_ids) for c in chunks)
-        bucket = self.buckets.choose(num_tokens, len(chunks)) if chunks else (0, 0)
-        out = SchedulerOutput(self.step_index, tuple(chunks), bucket, admitted)
-        self.step_index += 1
-        return out
+        return chunks
 
     def row_cap(self) -> int:
         """Rows one tenant may hold now: all of them unless other tenants are active."""
         horizon = time.monotonic() - ACTIVE_WINDOW_S
         self.last_arrival = {t: a for t, a in self.last_arrival.items() if a >= horizon}
+        rows = self.max_batch * self.num_shards
         if len(self.last_arrival) < 2:
-            return self.max_batch
-        return max(1, self.max_batch - self.reserved_rows)
+            return rows
+        return max(1, rows - self.reserved_rows)
 
     def next_waiting(self) -> Request | None:
         """The request admission takes next (see the module docstring)."""
@@ -201,27 +246,29 @@ class Scheduler:
 
     def _admit(self) -> tuple[str, ...]:
         admitted = []
-        while self.waiting and len(self.running) < self.max_batch:
+        while self.waiting:
             request = self.next_waiting()
             if request is None:  # every waiting tenant is at its row cap
                 break
-            cached = self._cached_prefix(request)
-            self.allocator.share(request.request_id, cached)  # held now: never evicted below
-            need = self.pages_needed(request) - len(cached)
-            if not self.allocator.can_allocate(need):
-                self.allocator.free(request.request_id, cached)
-                break  # it waits for pages; nobody overtakes it
+            placed = self._place(request)
+            if placed is None:
+                break  # it waits for pages or a row; nobody overtakes it
+            shard, cached = placed
+            allocator = self.allocators[shard]
             self.waiting.remove(request)
             self.running_per_tenant[request.tenant] += 1
-            pages = cached + self.allocator.allocate(request.request_id, need)
+            allocator.share(request.request_id, cached)
+            need = self.pages_needed(request) - len(cached)
+            pages = cached + allocator.allocate(request.request_id, need)
             num_cached = len(cached) * self.page_size
             self.prefix_queries += len(request.prompt_ids)
             self.prefix_hits += num_cached
             self.running[request.request_id] = RunningSequence(
                 request,
                 pages,
-                self.free_slots.pop(),
+                self.free_slots[shard].pop(),
                 list(request.prompt_ids),
+                shard=shard,
                 num_computed=num_cached,
                 admitted_step=self.step_index,
                 num_cached_tokens=num_cached,
@@ -230,7 +277,31 @@ class Scheduler:
             admitted.append(request.request_id)
         return tuple(admitted)
 
-    def _cached_prefix(self, request: Request) -> list[int]:
+    def _place(self, request: Request) -> tuple[int, list[int]] | None:
+        """The least-loaded shard with a free row and the pages for `request`, and the
+        cached prefix pages it reuses there; None if no shard fits it now."""
+        best, best_key = None, None
+        for shard, allocator in enumerate(self.allocators):
+            if not self.free_slots[shard]:
+                continue
+            cached = self._cached_prefix(request, allocator)
+            allocator.share(request.request_id, cached)  # held: the check cannot evict them
+            fits = allocator.can_allocate(self.pages_needed(request) - len(cached))
+            allocator.free(request.request_id, cached)
+            if not fits:
+                continue
+            backlog = sum(
+                len(seq.token_ids) - seq.num_computed
+                for seq in self.running.values()
+                if seq.shard == shard
+            )
+            uncached = len(request.prompt_ids) - len(cached) * self.page_size
+            key = (backlog + uncached, -allocator.num_free)
+            if best_key is None or key < best_key:
+                best, best_key = (shard, cached), key
+        return best
+
+    def _cached_prefix(self, request: Request, allocator: PageAllocator) -> list[int]:
         """Cached pages of the request's leading full prompt pages, leaving one token to run."""
         # The repetition penalty needs every prompt token in the step's inputs, and
         # prompt logprobs need every prompt token's logits.
@@ -242,7 +313,7 @@ class Scheduler:
         usable = (len(request.prompt_ids) - 1) // self.page_size
         keys = page_keys(request.prompt_ids[: usable * self.page_size], self.page_size,
                          request.cache_salt)
-        return self.allocator.match_prefix(keys)
+        return allocator.match_prefix(keys)
 
     @staticmethod
     def _chunk(seq: RunningSequence, n: int) -> ScheduledChunk:
@@ -267,29 +338,30 @@ class Scheduler:
         keys = page_keys(seq.token_ids[: full * self.page_size], self.page_size,
                          seq.request.cache_salt)
         for i in range(seq.num_registered_pages, full):
-            self.allocator.register(seq.pages[i], keys[i])
+            self.allocators[seq.shard].register(seq.pages[i], keys[i])
         seq.num_registered_pages = full
 
     def check_invariants(self) -> None:
         """Assert the page books balance: each page owned once, by the sequence holding it."""
-        alloc = self.allocator
-        private = [
-            page
-            for seq in self.running.values()
-            for page in seq.pages[seq.num_registered_pages :]
-        ]
-        if len(private) != len(set(private)):
-            raise AssertionError("a private page is owned by two sequences")
-        held = set()
-        for seq in self.running.values():
-            if len(set(seq.pages)) != len(seq.pages):
-                raise AssertionError(f"{seq.request_id} holds a page twice")
-            for page in seq.pages:
-                if seq.request_id not in alloc.owners_of(page):
-                    raise AssertionError(f"page {page} of {seq.request_id} is not booked to it")
-                held.add(page)
-        if alloc.num_free + alloc.num_cached + len(held) != alloc.num_usable:
-            raise AssertionError(
-                f"{alloc.num_free} free + {alloc.num_cached} cached + {len(held)} held != "
-                f"{alloc.num_usable} pages"
-            )
+        for shard, alloc in enumerate(self.allocators):
+            seqs = [seq for seq in self.running.values() if seq.shard == shard]
+            private = [page for seq in seqs for page in seq.pages[seq.num_registered_pages :]]
+            if len(private) != len(set(private)):
+                raise AssertionError("a private page is owned by two sequences")
+            held = set()
+            for seq in seqs:
+                if len(set(seq.pages)) != len(seq.pages):
+                    raise AssertionError(f"{seq.request_id} holds a page twice")
+                for page in seq.pages:
+                    if seq.request_id not in alloc.owners_of(page):
+                        raise AssertionError(
+                            f"page {page} of {seq.request_id} is not booked to it"
+                        )
+                    held.add(page)
+            if alloc.num_free + alloc.num_cached + len(held) != alloc.num_usable:
+                raise AssertionError(
+                    f"shard {shard}: {alloc.num_free} free + {alloc.num_cached} cached + "
+                    f"{len(held)} held != {alloc.num_usable} pages"
+                )
+            if len(seqs) + len(self.free_slots[shard]) != self.max_batch:
+                raise AssertionError(f"shard {shard}: rows and free slots do not add up")

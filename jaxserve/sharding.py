@@ -20,14 +20,15 @@ XLA gathers the q/k/v activations before attention, which then runs replicated.
 The KV cache [layer, kv_head, page, slot, head_dim] shards its KV-head axis by the
 same rule, so with kv_heads < tp (or not dividing it) the cache is replicated over
 "model". Sharding head_dim instead would need an all-reduce of the scores inside
-the page loop and breaks RoPE's rotate-half pairing; sharding pages would make the
-page allocator place sequences per device. Replication costs KV memory, not
-correctness.
+the page loop and breaks RoPE's rotate-half pairing. Replication costs KV memory,
+not correctness.
 
-The "data" axis holds replicas: weights and KV are replicated over it and the
-step's inputs and results are replicated, so every data shard computes the same
-batch. Splitting the batch over data shards needs a per-shard page pool and a
-scheduler that places sequences on shards; that is not built here.
+The "data" axis splits the batch: weights are replicated over it, and the KV pages
+are sharded over it, so each data shard holds a pool of its own (the scheduler
+keeps one page allocator per shard and places each sequence on one). The step's
+inputs are the shards' packed batches laid end to end, sharded over "data" too,
+and the step runs under `shard_map` over "data" (the "model" axis stays automatic),
+so a shard's attention reads only its own pages.
 
 Parameters with no entry in the table (a model other than the Llama family) are
 replicated, which is always correct.
@@ -51,6 +52,7 @@ RULES: dict[str, str] = {
     "heads": MODEL,  # q columns and o rows: num_heads × head_dim, flattened
     "kv_heads": MODEL,  # k/v columns (num_kv_heads × head_dim) and the cache's KV-head axis
     "mlp": MODEL,  # the intermediate size
+    "pages": DATA,  # the KV pool: one pool per data shard
 }
 
 # parameter path (as in the weight map) -> logical axis of each dimension
@@ -143,12 +145,16 @@ class Layout:
     mesh: Mesh
     state: nnx.State  # NamedSharding per parameter, shaped like the model state
     kv_cache: KVCache  # NamedSharding of k and of v
-    replicated: NamedSharding  # penalties, step inputs and results
+    replicated: NamedSharding  # results, and the inputs of forward passes outside the step
+    data: NamedSharding  # axis 0 over "data": step inputs and the penalty state
 
     @staticmethod
     def build(mesh: Mesh, state: nnx.State, kv_shape: Sequence[int]) -> "Layout":
         kv = kv_sharding(mesh, kv_shape)
-        return Layout(mesh, state_shardings(mesh, state), KVCache(kv, kv), replicated(mesh))
+        data = NamedSharding(mesh, PartitionSpec(DATA))
+        return Layout(
+            mesh, state_shardings(mesh, state), KVCache(kv, kv), replicated(mesh), data
+        )
 
 
 def device_bytes(tree: object) -> dict[jax.Device, int]:

@@ -7,17 +7,20 @@ and updated in place. The step's results leave the device as one array.
 `score` is the forward pass of one prompt chunk with logits at every token, for
 prompt logprobs. `step`, `score` and `forward` run on one device; the `sharded_` ones jit
 the same functions for a mesh, with the shardings of a `sharding.Layout`: weights
-and KV as its rules say, everything else (page table, tokens, sampling tensors,
-penalties, results) replicated. Results come back replicated, so every process
-of a multi-host mesh reads the same tokens.
+and KV as its rules say; the step's inputs and penalty state split over the data
+shards (each shard runs its own batch); results replicated, so every process of a
+multi-host mesh reads the same tokens. `sharded_forward` (tests and benchmarks)
+runs one replicated batch over the whole pool.
 """
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import PartitionSpec
 
 from jaxserve.attention import AttentionMetadata
 from jaxserve.config import MAX_LOGPROBS
@@ -31,7 +34,7 @@ from jaxserve.sampling import (
     sample,
     token_logprobs,
 )
-from jaxserve.sharding import Layout
+from jaxserve.sharding import DATA, Layout
 
 
 @jax.tree_util.register_dataclass
@@ -137,24 +140,54 @@ def sharded_forward(layout: Layout) -> Callable:
 
 
 def sharded_score(layout: Layout) -> Callable:
-    """`score` jitted for `layout`'s mesh: the same arguments, results replicated."""
-    r = layout.replicated
+    """`score` jitted for `layout`'s mesh, each data shard on its own rows (see `sharded_step`)."""
     return jax.jit(
-        _score,
+        _per_data_shard(_score, layout, num_sharded_inputs=4, outputs=(_DATA, _KV)),
         static_argnums=0,
         donate_argnums=2,
-        in_shardings=(layout.state, layout.kv_cache, r, r, r, r),
-        out_shardings=(r, layout.kv_cache),
+        in_shardings=(layout.state, layout.kv_cache, *[layout.data] * 4),
+        out_shardings=(layout.replicated, layout.kv_cache),
     )
 
 
 def sharded_step(layout: Layout) -> Callable:
-    """`step` jitted for `layout`'s mesh: the same arguments, results replicated."""
-    r = layout.replicated
+    """`step` jitted for `layout`'s mesh.
+
+    The inputs are the data shards' packed batches end to end and the penalty
+    state the shards' rows end to end (both sharded over "data"); under
+    `shard_map` each shard runs `_step` on its own batch, pages and penalty rows,
+    with page ids local to its pool. Results come back replicated, shard after shard.
+    """
     return jax.jit(
-        _step,
+        _per_data_shard(_step, layout, num_sharded_inputs=2, outputs=(_DATA, _KV, _DATA)),
         static_argnums=0,
         donate_argnums=(2, 3),
-        in_shardings=(layout.state, layout.kv_cache, r, r),
-        out_shardings=(r, layout.kv_cache, r),
+        in_shardings=(layout.state, layout.kv_cache, layout.data, layout.data),
+        out_shardings=(layout.replicated, layout.kv_cache, layout.data),
     )
+
+
+_DATA = PartitionSpec(DATA)  # axis 0 split over the data shards
+_KV = PartitionSpec(None, None, DATA)  # [layer, kv_head, page, ...]: pages per shard
+
+
+def _per_data_shard(
+    fn: Callable, layout: Layout, num_sharded_inputs: int, outputs: tuple
+) -> Callable:
+    """fn(graphdef, state, kv_cache, *inputs) run by each data shard on its own part.
+
+    Manual over "data" only: the weights' "model" sharding stays with the compiler.
+    """
+
+    def run(graphdef, state, kv_cache, *inputs):
+        local = jax.shard_map(
+            functools.partial(fn, graphdef),
+            mesh=layout.mesh,
+            in_specs=(PartitionSpec(), _KV, *[_DATA] * num_sharded_inputs),
+            out_specs=outputs,
+            axis_names={DATA},
+            check_vma=False,
+        )
+        return local(state, kv_cache, *inputs)
+
+    return run

@@ -126,6 +126,8 @@ class Server:
     def stop(self) -> None:
         if self.llm is not None:
             self.llm.engine.stop()
+            if self.llm.runner.channel is not None:  # release the other processes
+                self.llm.runner.channel.stop()
 
     # ---------------------------------------------------------------- checks
 

@@ -82,14 +82,15 @@ class Metrics:
     def bind(self, engine, runner) -> None:
         """Let the gauges and engine-kept counters read the live engine when scraped."""
         scheduler = engine.scheduler
-        alloc = scheduler.allocator
         self.num_requests_running.set_function(lambda: len(scheduler.running))
         self.num_requests_waiting.set_function(engine.num_waiting)
-        self.kv_pages_total.set_function(lambda: alloc.num_usable)
-        self.kv_pages_free.set_function(lambda: alloc.num_free)
-        self.kv_cache_usage_perc.set_function(lambda: alloc.num_used / alloc.num_usable)
+        self.kv_pages_total.set_function(lambda: scheduler.num_pages_usable)
+        self.kv_pages_free.set_function(lambda: scheduler.num_pages_free)
+        self.kv_cache_usage_perc.set_function(
+            lambda: scheduler.num_pages_used / scheduler.num_pages_usable
+        )
         self.oldest_waiting_seconds.set_function(engine.oldest_waiting_age)
-        self.kv_pages_cached.set_function(lambda: alloc.num_cached)
+        self.kv_pages_cached.set_function(lambda: scheduler.num_pages_cached)
         self.registry.register(_EngineCounters(scheduler, runner))
 
     def render(self) -> bytes:

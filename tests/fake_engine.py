@@ -52,7 +52,7 @@ def make_engine(
 ) -> tuple[Engine, FakeRunner]:
     runner = FakeRunner()
     scheduler = Scheduler(
-        PageAllocator(num_pages),
+        [PageAllocator(num_pages)],
         BucketTable.for_limits(max_batch, token_budget),
         page_size,
         max_batch,

@@ -25,7 +25,7 @@ def test_admission_chunks_pages_and_frees_step_by_step():
     engine, _ = make_engine(
         num_pages=9, page_size=4, max_batch=2, token_budget=8, prefix_caching=False
     )
-    sched, alloc = engine.scheduler, engine.scheduler.allocator
+    sched, alloc = engine.scheduler, engine.scheduler.allocators[0]
     params = SamplingParams(max_tokens=3, ignore_eos=True)
     a = engine.submit(list(range(10, 20)), params, "a")  # 10 prompt + 3 = 13 → 4 pages
     b = engine.submit([30, 31], params, "b")  # 5 → 2 pages
@@ -97,10 +97,10 @@ def test_cancel_frees_pages_by_the_next_step_and_ends_the_stream():
     engine, _ = make_engine()
     stream = engine.submit([1, 2, 3], SamplingParams(max_tokens=20, ignore_eos=True), "x")
     engine.step()
-    assert engine.scheduler.allocator.num_used == 6  # ceil(23 / 4)
+    assert engine.scheduler.allocators[0].num_used == 6  # ceil(23 / 4)
     engine.cancel("x")
     engine.step()
-    assert engine.scheduler.allocator.num_used == 0
+    assert engine.scheduler.allocators[0].num_used == 0
     assert drain(stream)[2] == "abort"
 
 
@@ -116,7 +116,7 @@ def test_a_full_output_buffer_cancels_that_request_only():
     assert len(fast_tokens) == 20
     items = [slow.get(timeout=0) for _ in range(len(slow))]
     assert items[-1].finish_reason == "abort" and len(items) == 3
-    alloc = engine.scheduler.allocator
+    alloc = engine.scheduler.allocators[0]
     assert alloc.num_used == 0 and alloc.num_free + alloc.num_cached == alloc.num_usable
 
 
@@ -148,7 +148,7 @@ def test_random_mix_of_finish_cancel_reject_returns_every_page():
         engine.step()  # debug_checks: the page books are verified after every step
     while engine.has_work():
         engine.step()
-    alloc = engine.scheduler.allocator
+    alloc = engine.scheduler.allocators[0]
     assert alloc.num_used == 0 and alloc.num_free + alloc.num_cached == alloc.num_usable
     assert not engine.live
     for stream in streams:
@@ -180,7 +180,7 @@ def test_a_cached_prefix_is_reused_and_only_the_rest_is_prefilled():
     while engine.has_work():
         engine.step()
     assert drain(third)[0] == [22, 23]
-    alloc = engine.scheduler.allocator
+    alloc = engine.scheduler.allocators[0]
     assert alloc.num_used == 0 and alloc.num_free + alloc.num_cached == alloc.num_usable
 
 

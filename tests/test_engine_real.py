@@ -56,7 +56,7 @@ def test_tokens_are_the_same_alone_and_in_a_batch_of_16(llm, params):
         batched += item.token_ids
         finished = item.finished
     assert batched == alone
-    alloc = llm.scheduler.allocator
+    alloc = llm.scheduler.allocators[0]
     assert alloc.num_used == 0 and alloc.num_free + alloc.num_cached == alloc.num_usable
 
 

@@ -64,7 +64,7 @@ def test_outputs_equal_the_uncached_ones_in_many_orders(cached_llm, reference):
         assert run_interleaved(cached_llm, order, rng) == reference
         for prompt, out in zip(PROMPTS, cached_llm.generate(PROMPTS, PARAMS)):
             assert out.token_ids == reference[prompt]
-    scheduler, alloc = cached_llm.scheduler, cached_llm.scheduler.allocator
+    scheduler, alloc = cached_llm.scheduler, cached_llm.scheduler.allocators[0]
     assert scheduler.prefix_hits > hits_before  # the cache was really used
     assert alloc.num_evictions > 0  # and ran out of room
     assert alloc.num_used == 0 and alloc.num_free + alloc.num_cached == alloc.num_usable

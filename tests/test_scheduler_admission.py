@@ -13,7 +13,7 @@ PARAMS = SamplingParams(max_tokens=4)
 
 def scheduler(max_batch: int = 4, reserved_rows: int = 1) -> Scheduler:
     return Scheduler(
-        PageAllocator(64), BucketTable.for_limits(max_batch, 16), 4, max_batch, 64,
+        [PageAllocator(64)], BucketTable.for_limits(max_batch, 16), 4, max_batch, 64,
         token_budget=16, reserved_rows=reserved_rows,
     )
 
@@ -71,3 +71,65 @@ def test_a_tenant_idle_past_the_window_no_longer_holds_a_row_back():
     for i in range(4):
         s.add(request(f"a{i}", "a"))
     assert len(admitted(s)) == 4
+
+
+# ---------------------------------------------------------------- data shards
+
+
+def sharded(num_shards: int = 2, max_batch: int = 2, num_pages: int = 64) -> Scheduler:
+    return Scheduler(
+        [PageAllocator(num_pages) for _ in range(num_shards)],
+        BucketTable.for_limits(max_batch, 16), 4, max_batch, 64, token_budget=16,
+    )
+
+
+def run_prefill(s: Scheduler) -> None:
+    """Steps (admitting first) until no running sequence is in prefill; samples are token 7."""
+    while True:
+        out = s.schedule()
+        s.update(out, {c.seq.request_id: 7 for c in out.chunks if c.samples})
+        if not any(seq.in_prefill for seq in s.running.values()):
+            return
+
+
+def test_requests_spread_over_the_data_shards_and_each_shard_is_one_bucket():
+    s = sharded()
+    for i in range(5):
+        s.add(request(f"r{i}", "a"))
+    out = s.schedule()
+    assert out.admitted == ("r0", "r1", "r2", "r3")  # 2 rows on each of 2 shards
+    shards = [s.running[r].shard for r in out.admitted]
+    assert sorted(shards) == [0, 0, 1, 1]
+    # each shard's batch is 2 rows of 3 prompt tokens: the shared bucket holds one shard
+    assert out.bucket == s.buckets.choose(6, 2)
+    assert {seq.slot for seq in s.running.values() if seq.shard == 1} == {0, 1}
+    s.check_invariants()
+    s.finish("r1")
+    s.schedule()
+    assert s.running["r4"].shard == shards[1]  # the shard with the free row
+    s.check_invariants()
+
+
+def test_the_least_loaded_shard_counts_the_prefix_it_already_holds():
+    s = sharded()
+    prompt = tuple(range(10, 19))  # 9 tokens: 2 full pages of 4 reusable
+    s.add(Request("first", prompt, PARAMS, 0, time.monotonic(), "a"))
+    run_prefill(s)  # "first" decodes on shard 0, its two full pages cached there
+    assert s.running["first"].shard == 0
+    s.add(Request("again", prompt, PARAMS, 0, time.monotonic(), "a"))
+    s.schedule()
+    # shard 0: 1 decode + 1 uncached token to compute; shard 1: 9 tokens
+    assert s.running["again"].shard == 0
+    assert s.running["again"].num_cached_tokens == 8
+    s.check_invariants()
+
+
+def test_a_request_waits_when_no_shard_has_its_pages():
+    s = sharded(num_pages=5)  # 4 usable pages a shard: one 16-token request each
+    for i in range(3):
+        s.add(Request(f"r{i}", tuple(range(12)), PARAMS, 0, time.monotonic(), "a"))
+    assert s.schedule().admitted == ("r0", "r1")
+    assert [r.request_id for r in s.waiting] == ["r2"]
+    s.finish("r0")
+    assert s.schedule().admitted == ("r2",)
+    s.check_invariants()
