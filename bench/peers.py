@@ -14,7 +14,8 @@ loop), C × rounds requests, the same prompts (same seed) and output lengths for
   measured by the same `run`. It lives in its own virtual environment,
   .cache/peers/llamacpp-venv, installed on first use: PyPI has no wheel for Linux, so pip
   compiles llama.cpp (minutes on a few cores; `nice`d; the log is kept beside the venv).
-  Its server runs one request at a time. It does not report streamed usage, so its output
+  Its server runs one request at a time (queued: `--interrupt_requests False`, or a new
+  request would cut the running one short). It does not report streamed usage, so its output
   tokens are its text chunks counted (one a token); `min_tokens` holds off EOS.
 - transformers: `generate` with static batching, measured in process (no HTTP shim, so it
   pays no HTTP or detokenisation cost): the requests in batches of C, left-padded, each
@@ -63,7 +64,7 @@ def compact(report: dict) -> dict:
 
 def run_jaxserve(gguf: Path, workloads: dict[int, Workload], quick: bool) -> dict:
     port = free_port()
-    budget = "16" if quick else "256"
+    budget = "16" if quick else "128"  # 30 buckets at batch 16: a few minutes of warm-up
     cmd = [
         sys.executable, "-m", "jaxserve.cli", "serve", "--model", str(gguf), "--port", str(port),
         "--max-batch", str(max(workloads)), "--token-budget", budget,
@@ -113,6 +114,8 @@ def run_llamacpp(gguf: Path, workloads: dict[int, Workload], install: bool) -> d
     cmd = [
         str(python), "-m", "llama_cpp.server", "--model", str(gguf), "--host", "127.0.0.1",
         "--port", str(port), "--n_ctx", "4096", "--n_threads", str(os.cpu_count() or 1),
+        # by default a new request interrupts the one being generated: queue them instead
+        "--interrupt_requests", "False",
     ]
     url = f"http://127.0.0.1:{port}"
     with server_process(cmd, url + "/v1/models", CACHE / "llamacpp-server.log"):

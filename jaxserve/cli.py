@@ -47,6 +47,10 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--max-queued-tokens", type=int, default=65536)
     serve.add_argument("--max-body-bytes", type=int, default=4 << 20)
     serve.add_argument("--drain-timeout", type=float, default=30.0, help="seconds, on SIGTERM")
+    serve.add_argument(
+        "--stream-write-timeout", type=float, default=30.0,
+        help="seconds a stream write may block before the client is dropped",
+    )
     serve.add_argument("--default-max-tokens", type=int, default=256, help="chat default")
     serve.add_argument(
         "--shared-prefix-cache",
@@ -178,6 +182,7 @@ def _serve(args: argparse.Namespace) -> int:
             ),
             max_body_bytes=args.max_body_bytes,
             drain_timeout_s=args.drain_timeout,
+            stream_write_timeout_s=args.stream_write_timeout,
             default_chat_max_tokens=args.default_max_tokens,
             shared_prefix_cache=args.shared_prefix_cache,
             engine=_engine_config(args),

@@ -39,6 +39,10 @@ log = logging.getLogger("jaxserve.server")
 STREAM_SEND_BUFFER = 32 << 10  # kernel send buffer of one stream, bytes (Linux doubles it)
 
 
+class ClientStalled(ConnectionError):
+    """A streaming client stopped reading: its writes stayed blocked past the timeout."""
+
+
 @dataclass(frozen=True, slots=True)
 class ServerConfig:
     """Everything `jaxserve serve` is told, built once from the command line."""
@@ -52,6 +56,8 @@ class ServerConfig:
     queue: QueuePolicy = field(default_factory=QueuePolicy)
     max_body_bytes: int = 4 << 20
     drain_timeout_s: float = 30.0
+    # a stream write blocked this long means the client stopped reading: drop it
+    stream_write_timeout_s: float = 30.0
     default_chat_max_tokens: int = 256  # OpenAI's completions default (16) is kept as is
     shared_prefix_cache: bool = False  # with API keys, each tenant has its own prefix cache
     engine: EngineConfig = field(default_factory=EngineConfig)
@@ -391,6 +397,17 @@ class Server:
         def chunk(items: list[dict], usage: dict | None = None) -> dict:
             return fmt.body(kind, response_id, self.model_name, items, usage)
 
+        async def send(body: dict | None) -> None:
+            """One SSE event (None: the final [DONE]); ClientStalled if the client does not
+            take it within the write timeout."""
+            data = b"[DONE]" if body is None else msgspec.json.encode(body)
+            try:
+                await asyncio.wait_for(
+                    resp.write(b"data: " + data + b"\n\n"), self.config.stream_write_timeout_s
+                )
+            except TimeoutError:
+                raise ClientStalled(response_id) from None
+
         try:
             for c in choices:
                 first = (
@@ -411,7 +428,7 @@ class Server:
                 # echoed with logprobs, the prompt goes out with the first token, which
                 # brings the prompt's logprobs
                 if chat or (req.echo and req.logprobs is None):
-                    await _send(resp, chunk([first]))
+                    await send(chunk([first]))
             done = 0
             while done < len(choices):
                 choice, out = await sink.get()
@@ -444,12 +461,16 @@ class Server:
                             fmt.completion_logprobs(tokenizer, [out], len(echo)),
                         )
                 if out.text or out.finished or item["logprobs"]:
-                    await _send(resp, chunk([item]))
+                    await send(chunk([item]))
             if req.stream_options is not None and req.stream_options.include_usage:
                 usage = fmt.usage(prompt_tokens, sum(c.num_tokens for c in choices))
-                await _send(resp, chunk([], usage))
-            await resp.write(b"data: [DONE]\n\n")
-        except (ConnectionResetError, ConnectionError):
+                await send(chunk([], usage))
+            await send(None)
+        except ClientStalled:
+            log.info("client of %s stopped reading: closing its connection", response_id)
+            if http.transport is not None:
+                http.transport.abort()
+        except ConnectionError:
             log.info("client of %s went away: cancelling", response_id)
         finally:
             for task in pumps:
@@ -493,10 +514,6 @@ class Server:
             raise APIError(401, "an admin API key is needed", code="not_admin")
         rows = [dataclasses.asdict(r) for r in self.llm.engine.live_requests()]
         return _json({"object": "list", "data": rows})
-
-
-async def _send(resp: web.StreamResponse, body: dict) -> None:
-    await resp.write(b"data: " + msgspec.json.encode(body) + b"\n\n")
 
 
 def _json(body: dict, status: int = 200, headers: dict | None = None) -> web.Response:

@@ -26,13 +26,15 @@ MODEL = "tiny"
 MAX_BATCH = 8
 MAX_QUEUE = 16  # fixed bound of the waiting queue
 STREAM_BUFFER = 16  # outputs a request may have unread before the engine cancels it
+WRITE_TIMEOUT = 3  # seconds a stream write may block before the server drops the client
 TIMEOUT = aiohttp.ClientTimeout(total=120)
 
 
 @pytest.fixture(scope="module")
 def server(tiny_model):
     flags = [*FLAGS, "--served-model-name", MODEL, "--max-queue", str(MAX_QUEUE),
-             "--stream-buffer", str(STREAM_BUFFER)]
+             "--stream-buffer", str(STREAM_BUFFER), "--stream-write-timeout",
+             str(WRITE_TIMEOUT)]
     with running_server(tiny_model, *flags) as (url, proc):
         yield url, proc
 
@@ -274,6 +276,25 @@ def open_slow_reader(url: str, path: str, payload: dict, tenant: str) -> socket.
     return sock
 
 
+def read_until_closed(sock: socket.socket, timeout: float = 10) -> None:
+    """Drain `sock` until the server has closed it (socket.timeout if it has not)."""
+    sock.settimeout(timeout)
+    try:
+        while sock.recv(1 << 16):
+            pass
+    except ConnectionResetError:
+        pass  # an aborted connection
+
+
+async def wait_for_log(proc, text: str, timeout: float) -> float:
+    """Seconds until the server's log holds `text` (AssertionError past `timeout`)."""
+    start = time.monotonic()
+    while text not in Path(proc.log_path).read_text():
+        assert time.monotonic() - start < timeout, f"the server never logged {text!r}"
+        await asyncio.sleep(0.1)
+    return time.monotonic() - start
+
+
 def test_slow_reader_is_cancelled_without_slowing_others(server):
     """A client that never reads is cancelled once its output buffer fills; the others'
     inter-token latency does not notice it.
@@ -324,12 +345,16 @@ def test_slow_reader_is_cancelled_without_slowing_others(server):
                 cancelled_after = time.monotonic() - start
                 during = await beside
                 await wait_idle(session, url, timeout=5)  # its pages are free
+                # the handler blocked writing to it is not left blocked: past the
+                # write timeout the server drops the connection
+                dropped_after = await wait_for_log(proc, "stopped reading: closing", 30)
+                await asyncio.to_thread(read_until_closed, sock)
                 after = await itl_run(session)
             finally:
                 sock.close()
-            return before, during, after, generated, cancelled_after
+            return before, during, after, generated, cancelled_after, dropped_after
 
-    before, during, after, generated, cancelled_after = run(body(), timeout=240)
+    before, during, after, generated, cancelled_after, dropped_after = run(body(), timeout=240)
     baseline = max(p95(before), p95(after))
     print(
         f"\nslow reader: cancelled {cancelled_after:.1f} s after its first token, at "
@@ -338,7 +363,9 @@ def test_slow_reader_is_cancelled_without_slowing_others(server):
         f"{1000 * p95(during):.1f} ms ({p95(during) / baseline:.2f}x the slower run without)"
     )
     assert generated < slow["max_tokens"]  # cancelled, not finished
-    assert "is full: cancelling it" in Path(proc.log_path).read_text()
+    log = Path(proc.log_path).read_text()
+    assert "is full: cancelling it" in log
+    assert dropped_after < 30
     # The runs without the slow reader, one before and one after, bracket the
     # machine's own drift; the run beside it may be at most 10% slower than the
     # slower of the two.
