@@ -103,7 +103,9 @@ def pack_step(
         first_chunk=np.array([c.first and c.slot is not None for c in rows], bool),
         samples=np.array([c.samples and c.slot is not None for c in rows], bool),
         prompt_slots=prompt_slots,
-        wants_logprobs=np.array([c.params.logprobs is not None for c in rows], bool),
+        logprobs=np.array(
+            [-1 if c.params.logprobs is None else c.params.logprobs for c in rows], np.int32
+        ),
     )
     metadata = AttentionMetadata(
         seq_ids, slot_mapping, page_table, cu_q_lens, kv_lens, logits_indices, attention_backend

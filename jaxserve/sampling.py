@@ -33,7 +33,7 @@ class SamplingTensors:
     first_chunk: jax.Array  # bool[num_seqs] the row starts its sequence: clear its slot
     samples: jax.Array  # bool[num_seqs] the row's token counts as generated
     prompt_slots: jax.Array  # i32[num_tokens] slot of each prompt token; others -> spare
-    wants_logprobs: jax.Array  # bool[num_seqs] the row's request asked for logprobs
+    logprobs: jax.Array  # i32[num_seqs] alternatives the row asks for; -1: no logprobs
 
 
 @jax.tree_util.register_dataclass
@@ -180,13 +180,22 @@ def _last_positive(x: jax.Array) -> jax.Array:
 def token_logprobs(
     logits: jax.Array,  # f32[num_seqs, vocab], the model's raw logits
     tokens: jax.Array,  # i32[num_seqs]
+    alternatives: jax.Array | bool = True,  # also the top MAX_LOGPROBS (else zeros)
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Log-probability of each chosen token and the MAX_LOGPROBS most likely alternatives.
 
     Returns (f32[num_seqs], i32[num_seqs, MAX_LOGPROBS], f32[num_seqs, MAX_LOGPROBS]).
     Like vLLM, these are the model's own probabilities, before penalties or filters.
+    The top-k over the vocabulary is the costly part: it runs only if `alternatives`.
     """
     logprobs = jax.nn.log_softmax(logits, axis=-1)
     chosen = jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
-    top_values, top_ids = jax.lax.top_k(logprobs, MAX_LOGPROBS)
+
+    def none(logprobs):
+        zeros = jnp.zeros((logprobs.shape[0], MAX_LOGPROBS))
+        return zeros, zeros.astype(jnp.int32)
+
+    top_values, top_ids = jax.lax.cond(
+        alternatives, lambda lp: tuple(jax.lax.top_k(lp, MAX_LOGPROBS)), none, logprobs
+    )
     return chosen, top_ids.astype(jnp.int32), top_values

@@ -79,7 +79,7 @@ def _step(
     penalties = record_prompt(penalties, params, inputs.token_ids)
     tokens = sample(apply_penalties(logits, penalties, params), params)
     penalties = record_output(penalties, params, tokens)
-    return _results(logits, tokens, jnp.any(params.wants_logprobs)), kv_cache, penalties
+    return _results(logits, tokens, params.logprobs), kv_cache, penalties
 
 
 def _score(
@@ -98,22 +98,25 @@ def _score(
     """
     model = nnx.merge(graphdef, state)
     logits, kv_cache = model(token_ids, positions, kv_cache, metadata)
-    return _results(logits, targets, True), kv_cache
+    return _results(logits, targets, jnp.full(targets.shape, MAX_LOGPROBS)), kv_cache
 
 
-def _results(logits: jax.Array, tokens: jax.Array, logprobs: jax.Array | bool) -> jax.Array:
+def _results(logits: jax.Array, tokens: jax.Array, logprobs: jax.Array) -> jax.Array:
     """One f32 array per row: token, its logprob, the top ids and their logprobs.
 
-    The logprobs (a softmax and a top-k over the vocabulary per row) are computed
-    only when `logprobs`, i.e. some row asked for them; else they are zeros.
+    `logprobs` (i32[rows]) is how many alternatives each row asks for, -1 for none.
+    The logprobs (a softmax per row) are computed only when some row asks, the top
+    alternatives (a top-k over the vocabulary) only when some row wants any; else zeros.
     """
     num_rows = tokens.shape[0]
 
-    def skip(logits, tokens):
+    def skip(logits, tokens, alternatives):
         zeros = jnp.zeros((num_rows, MAX_LOGPROBS))
         return jnp.zeros(num_rows), zeros.astype(jnp.int32), zeros
 
-    chosen, top_ids, top_logprobs = jax.lax.cond(logprobs, token_logprobs, skip, logits, tokens)
+    chosen, top_ids, top_logprobs = jax.lax.cond(
+        jnp.any(logprobs >= 0), token_logprobs, skip, logits, tokens, jnp.any(logprobs > 0)
+    )
     # ids < 2**24 are exact in f32, so one array carries everything back
     return jnp.concatenate(
         [tokens[:, None].astype(jnp.float32), chosen[:, None], top_ids.astype(jnp.float32),

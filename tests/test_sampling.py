@@ -34,7 +34,7 @@ def rows(n, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seeds=None, counters
         first_chunk=full(False, bool),
         samples=full(True, bool),
         prompt_slots=np.full(num_tokens, n, np.int32),
-        wants_logprobs=full(False, bool),
+        logprobs=full(-1, np.int32),
     )
 
 
