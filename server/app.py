@@ -11,7 +11,6 @@ import dataclasses
 import logging
 import signal
 import socket
-import sys
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -38,7 +37,6 @@ from server.tenants import TenantPolicy, Tenants
 log = logging.getLogger("jaxserve.server")
 
 STREAM_SEND_BUFFER = 32 << 10  # kernel send buffer of one stream, bytes (Linux doubles it)
-GIL_SWITCH_INTERVAL_S = 0.0005
 
 
 class ClientStalled(ConnectionError):
@@ -578,7 +576,4 @@ async def serve(config: ServerConfig) -> None:
 
 def run(config: ServerConfig) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
-    # The engine thread and the event loop take turns on the GIL; at the default 5 ms
-    # switch interval a request waits up to a whole interval for its turn.
-    sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     asyncio.run(serve(config))
