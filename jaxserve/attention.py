@@ -57,6 +57,11 @@ def paged_attention(
     scale: float,
 ) -> jax.Array:  # f32[num_tokens, num_heads, head_dim]
     """Attention of each token over its own sequence's pages, this token included."""
+    if metadata.backend == "xla":
+        return blocked_paged_attention(
+            q, kv_cache.k, kv_cache.v, layer, metadata.seq_ids, positions, metadata.page_table,
+            scale,
+        )
     k_pages, v_pages = kv_cache.k[layer], kv_cache.v[layer]
     if metadata.backend.startswith("pallas"):
         return ragged_paged_attention(
@@ -69,7 +74,6 @@ def paged_attention(
             scale=scale,
             interpret=metadata.backend == "pallas-interpret",
         )
-    attend = {"xla": blocked_paged_attention, "reference": ragged_paged_attention_reference}
-    return attend[metadata.backend](
+    return ragged_paged_attention_reference(
         q, k_pages, v_pages, metadata.seq_ids, positions, metadata.page_table, scale
     )

@@ -76,7 +76,8 @@ class LLM:
         )
         max_batch = cfg.max_batch
         if warmup:
-            self.runner.warmup()
+            # the TPOT bound needs the worst-case (full-context) step times
+            self.runner.warmup(worst_case=cfg.tpot_slo_ms is not None)
             if cfg.tpot_slo_ms is not None:
                 max_batch = max(1, self.runner.max_batch_under(cfg.tpot_slo_ms / 1000))
         self.scheduler = Scheduler(

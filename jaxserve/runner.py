@@ -234,22 +234,26 @@ class ModelRunner:
             self.compiles_after_warmup += _COMPILES.count - before
             log.error("compiled while serving: bucket %s (a shape outside the table)", bucket)
 
-    def warmup(self, repeats: int = 3) -> dict[tuple[int, int], float]:
+    def warmup(self, repeats: int = 3, worst_case: bool = True) -> dict[tuple[int, int], float]:
         """Compile and time every bucket on dummy inputs that touch only the null page.
 
-        The dummy rows sit at the end of the longest context, so the measured step
-        times are the worst case that the TPOT bound needs. The prompt-logprob pass
-        (`step.score`) is compiled for every token size too.
+        With `worst_case` the dummy rows sit at the end of the longest context, so
+        the measured step times are the worst case that the TPOT bound needs (on a
+        CPU, minutes per bucket at an 8k context: attention loops over the pages a
+        row holds). Without it they sit at the start: the compile is the same, the
+        times are the short-context ones. The prompt-logprob pass (`step.score`) is
+        compiled for every token size too.
         """
-        context = self.max_pages * self.page_size
+        context = self.max_pages * self.page_size if worst_case else 0
         for num_tokens in self.buckets.token_sizes:
-            start = context - num_tokens
+            start = max(0, context - num_tokens)
             self._score_chunk(Chunk([0] * num_tokens, start, [NULL_PAGE] * self.max_pages), ())
         buckets = self.buckets.buckets()
         show = sys.stderr.isatty()
         for i, (num_tokens, num_seqs) in enumerate(buckets):
             n = num_tokens // num_seqs
-            dummy = [Chunk([0] * n, context - n, [NULL_PAGE] * self.max_pages)] * num_seqs
+            dummy = [Chunk([0] * n, max(0, context - n), [NULL_PAGE] * self.max_pages)]
+            dummy *= num_seqs
             dummy *= self.num_shards  # a full batch on every shard
             shards = [s for s in range(self.num_shards) for _ in range(num_seqs)]
             self._run(dummy, shards, (num_tokens, num_seqs))  # compile

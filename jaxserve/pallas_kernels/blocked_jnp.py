@@ -12,17 +12,23 @@ import jax.numpy as jnp
 
 def blocked_paged_attention(
     q: jax.Array,  # f32[num_tokens, num_heads, head_dim]
-    k_pages: jax.Array,  # f32[num_kv_heads, num_pages, page_size, head_dim] (one layer)
-    v_pages: jax.Array,  # f32[num_kv_heads, num_pages, page_size, head_dim]
+    k_cache: jax.Array,  # f32[num_layers, num_kv_heads, num_pages, page_size, head_dim]
+    v_cache: jax.Array,  # f32[num_layers, num_kv_heads, num_pages, page_size, head_dim]
+    layer: jax.Array,  # i32[] the layer to read
     seq_ids: jax.Array,  # i32[num_tokens] row of each token in page_table
     positions: jax.Array,  # i32[num_tokens] position of each token in its sequence
     page_table: jax.Array,  # i32[num_rows, max_pages_per_seq]
     scale: float,
     pages_per_block: int = 8,
 ) -> jax.Array:  # f32[num_tokens, num_heads, head_dim]
-    """Causal attention of each token over its own sequence's pages, block by block."""
+    """Causal attention of each token over its own sequence's pages, block by block.
+
+    The pages are gathered straight from the whole cache: slicing the layer out
+    first would copy that layer's entire pool every step (a cost that grows with
+    the pool, not the batch).
+    """
     num_tokens, num_heads, head_dim = q.shape
-    num_kv_heads, _, page_size, _ = k_pages.shape
+    _, num_kv_heads, _, page_size, _ = k_cache.shape
     group = num_heads // num_kv_heads
     block = pages_per_block * page_size
     token_pages = page_table[seq_ids]  # i32[T, max_pages]
@@ -34,16 +40,21 @@ def blocked_paged_attention(
     def step(i, carry):
         m, denom, acc = carry  # running max, softmax denominator, numerator
         pages = jax.lax.dynamic_slice_in_dim(token_pages, i * pages_per_block, pages_per_block, 1)
-        k = k_pages[:, pages].reshape(num_kv_heads, num_tokens, block, head_dim)
-        v = v_pages[:, pages].reshape(num_kv_heads, num_tokens, block, head_dim)
-        s = jnp.einsum("tkgd,ktbd->tkgb", qg, k, preferred_element_type=jnp.float32)
+        # [T, pages, kv_head, slot, d] -> [T, kv_head, block, d]
+        k = k_cache[layer, :, pages].transpose(0, 2, 1, 3, 4).reshape(
+            num_tokens, num_kv_heads, block, head_dim
+        )
+        v = v_cache[layer, :, pages].transpose(0, 2, 1, 3, 4).reshape(
+            num_tokens, num_kv_heads, block, head_dim
+        )
+        s = jnp.einsum("tkgd,tkbd->tkgb", qg, k, preferred_element_type=jnp.float32)
         visible = i * block + jnp.arange(block)[None, :] <= positions[:, None]  # [T, block]
         s = jnp.where(visible[:, None, None, :], s, -jnp.inf)
         m_new = jnp.maximum(m, s.max(axis=-1))
         correction = jnp.exp(m - m_new)
         p = jnp.exp(s - m_new[..., None])
         denom = denom * correction + p.sum(axis=-1)
-        pv = jnp.einsum("tkgb,ktbd->tkgd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+        pv = jnp.einsum("tkgb,tkbd->tkgd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
         return m_new, denom, acc * correction[..., None] + pv
 
     init = (
