@@ -101,7 +101,7 @@ def test_a_dimension_that_does_not_divide_is_replicated_and_unknown_params_too()
     assert param_sharding(mesh, "blocks/0/qkv", (64, 192)).spec == P()
     assert kv_sharding(mesh, (2, 6, 8, 4, 16)).spec == P(None, MODEL, DATA, None, None)
     assert kv_sharding(abstract_mesh(1, 3), (2, 6, 8, 4, 16)).spec == P(
-        None, None, None, None, None
+        None, MODEL, None, None, None
     )  # 8 pages do not split over 3 data shards
 
 
