@@ -73,8 +73,9 @@ def _step(
     Returns f32[num_seqs, RESULT_WIDTH] results (laid out as `StepResults` reads
     them), the cache and the penalty state.
     """
-    model = nnx.merge(graphdef, state)
-    logits, kv_cache = model(inputs.token_ids, inputs.positions, kv_cache, inputs.metadata)
+    logits, kv_cache = _forward(
+        graphdef, state, kv_cache, inputs.token_ids, inputs.positions, inputs.metadata
+    )
     params = inputs.sampling
     penalties = record_prompt(penalties, params, inputs.token_ids)
     tokens = sample(apply_penalties(logits, penalties, params), params)
@@ -96,8 +97,7 @@ def _score(
     Returns f32[num_tokens, RESULT_WIDTH] (the `StepResults` layout, targets as the
     tokens) and the cache, its K/V written as the step writes them.
     """
-    model = nnx.merge(graphdef, state)
-    logits, kv_cache = model(token_ids, positions, kv_cache, metadata)
+    logits, kv_cache = _forward(graphdef, state, kv_cache, token_ids, positions, metadata)
     return _results(logits, targets, jnp.full(targets.shape, MAX_LOGPROBS)), kv_cache
 
 
