@@ -85,6 +85,15 @@ def apply_penalties(
     return logits - params.presence_penalty[:, None] * (counts > 0)
 
 
+def any_penalty(params: SamplingTensors) -> jax.Array:  # bool[]
+    """Whether some row of the step has a penalty (else the records need not be touched)."""
+    return (
+        jnp.any(params.repetition_penalty != 1)
+        | jnp.any(params.frequency_penalty != 0)
+        | jnp.any(params.presence_penalty != 0)
+    )
+
+
 def _top_k_top_p_keep(
     scaled: jax.Array,  # f32[num_seqs, vocab]
     params: SamplingTensors,
@@ -110,11 +119,30 @@ def sample(
     greedy, the vocabulary sort when a row asks for top-k or top-p. Every row draws
     with its own key, so a row's token does not depend on its neighbours.
     """
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    greedy = argmax(logits)
     drawn = jax.lax.cond(
         jnp.any(params.temperature > 0), _draw, lambda _, __: greedy, logits, params
     )
     return jnp.where(params.temperature > 0, drawn, greedy)
+
+
+def argmax(x: jax.Array, block: int = 128) -> jax.Array:  # i32[num_seqs]
+    """`jnp.argmax(x, axis=-1)` of f32[num_seqs, vocab], the same index (the first maximum).
+
+    XLA:CPU runs an argmax reduction one element at a time (~0.9 ms for 8 rows of a
+    49k vocabulary); a max over blocks, then an argmax inside the winning block, is
+    vectorized and ~5x faster. The first block holding the maximum holds its first
+    index; padding is -inf, which never wins (an all -inf row gives 0, like argmax).
+    A NaN counts as the maximum, as in argmax (the vectorized max may drop NaNs).
+    """
+    num_seqs, vocab = x.shape
+    x = jnp.where(jnp.isnan(x), jnp.inf, x)
+    num_blocks = -(-vocab // block)
+    padded = jnp.pad(x, ((0, 0), (0, num_blocks * block - vocab)), constant_values=-jnp.inf)
+    blocks = padded.reshape(num_seqs, num_blocks, block)
+    b = jnp.argmax(blocks.max(-1), axis=-1)
+    inner = jnp.argmax(jnp.take_along_axis(blocks, b[:, None, None], axis=1)[:, 0], axis=-1)
+    return (b * block + inner).astype(jnp.int32)
 
 
 def _draw(logits: jax.Array, params: SamplingTensors) -> jax.Array:

@@ -3,15 +3,19 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from jaxserve.sampling import (
     SamplingTensors,
     apply_penalties,
+    argmax,
     init_penalty_state,
     record_output,
     record_prompt,
-    sample,
     token_logprobs,
+)
+from jaxserve.sampling import (
+    sample as sample_eager,
 )
 
 
@@ -38,11 +42,25 @@ def rows(n, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seeds=None, counters
     )
 
 
+# jitted once: run eagerly, each call traces its lax.cond branches anew (~0.7 s)
+sample = jax.jit(sample_eager)
 LOGITS = jax.random.normal(jax.random.PRNGKey(0), (4, 50)) * 3
 
 
 def test_temperature_zero_is_argmax():
     assert np.array_equal(sample(LOGITS, rows(4, temperature=0)), jnp.argmax(LOGITS, -1))
+
+
+@pytest.mark.parametrize("vocab", [1, 50, 128, 300, 49152])
+def test_blocked_argmax_is_jnp_argmax(vocab):
+    """Same first index on ties (within and across blocks), NaN, and all -inf rows."""
+    x = np.array(jax.random.normal(jax.random.PRNGKey(vocab), (6, vocab)))
+    x[1] = np.round(x[1])  # many ties at the maximum
+    x[2, -1] = x[2, 0] = 9.0  # tie between the first and last block
+    x[3] = -np.inf
+    x[4, vocab // 2] = np.nan
+    x[5, -1] = np.inf
+    assert np.array_equal(argmax(jnp.asarray(x)), np.asarray(jnp.argmax(x, -1)))
 
 
 def test_top_k_one_tiny_top_p_and_min_p_one_are_argmax():
