@@ -9,7 +9,7 @@ Given a mesh, the weights, the KV pool and the step are laid out by
 data shards the KV pool holds dp pools of `num_pages` pages one after the other
 (page ids are shard-local) and the penalty state dp × (num_slots + 1) rows; each
 shard's batch is packed on its own and the packs are concatenated, so the step
-(`step.sharded_step`) runs each shard's rows on its own devices.
+(`step.jit_step` with the layout) runs each shard's rows on its own devices.
 """
 
 import dataclasses
@@ -34,7 +34,7 @@ from jaxserve.results import StepResults
 from jaxserve.sampling import init_penalty_state
 from jaxserve.scheduler import SchedulerOutput
 from jaxserve.sharding import DATA, Layout
-from jaxserve.step import StepInputs, score, sharded_score, sharded_step, step
+from jaxserve.step import StepInputs, jit_score, jit_step
 
 log = logging.getLogger(__name__)
 
@@ -103,13 +103,13 @@ class ModelRunner:
         self.penalties = init_penalty_state(
             self.num_shards * (num_slots + 1) - 1, cfg.vocab_size
         )
-        self._step, self._score = step, score
         if self.layout is not None:
             # a no-op for weights loaded into their shardings (loader.load with the mesh)
             self.state = jax.device_put(self.state, self.layout.state)
             self.penalties = jax.device_put(self.penalties, self.layout.data)
-            self._step = sharded_step(self.layout)
-            self._score = sharded_score(self.layout)
+        self._weights = jax.tree.leaves(self.state)  # what the jitted calls take
+        self._step = jit_step(self.graphdef, self.state, self.layout)
+        self._score = jit_score(self.graphdef, self.state, self.layout)
         # process 0 of several announces each device call to the others (multihost)
         self.channel = StepChannel() if jax.process_count() > 1 and is_leader() else None
         self.step_times: dict[tuple[int, int], float] = {}  # bucket -> median seconds
@@ -178,9 +178,7 @@ class ModelRunner:
 
     def dispatch_score(self, inputs: tuple, num_tokens: int) -> jax.Array:
         before = _COMPILES.count
-        results, self.kv_cache = self._score(
-            self.graphdef, self.state, self.kv_cache, *self._global(inputs)
-        )
+        results, self.kv_cache = self._score(self._weights, self.kv_cache, *self._global(inputs))
         self._count_compiles(before, (num_tokens, 1))
         return results
 
@@ -213,7 +211,7 @@ class ModelRunner:
     def dispatch_step(self, inputs: StepInputs, bucket: tuple[int, int]) -> jax.Array:
         before = _COMPILES.count
         results, self.kv_cache, self.penalties = self._step(
-            self.graphdef, self.state, self.kv_cache, self.penalties, self._global(inputs)
+            self._weights, self.kv_cache, self.penalties, self._global(inputs)
         )
         self._count_compiles(before, bucket)
         return results

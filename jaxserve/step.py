@@ -4,16 +4,15 @@ Model weights enter as an NNX (graphdef, state) pair split once, so each call is
 plain `jax.jit` of a pure function. The KV cache and the penalty state are donated
 and updated in place. The step's results leave the device as one array.
 
-`score` is the forward pass of one prompt chunk with logits at every token, for
-prompt logprobs. `step`, `score` and `forward` run on one device; the `sharded_` ones jit
-the same functions for a mesh, with the shardings of a `sharding.Layout`: weights
-and KV as its rules say; the step's inputs and penalty state split over the data
-shards (each shard runs its own batch); results replicated, so every process of a
-multi-host mesh reads the same tokens. `sharded_forward` (tests and benchmarks)
-runs one replicated batch over the whole pool.
+`_score` is the forward pass of one prompt chunk with logits at every token, for
+prompt logprobs. `jit_step` and `jit_score` compile `_step` and `_score` for one model, on one
+device or, given a `sharding.Layout`, for its mesh: weights and KV as its rules
+say; the step's inputs and penalty state split over the data shards (each shard
+runs its own batch); results replicated, so every process of a multi-host mesh
+reads the same tokens. `forward` and `sharded_forward` (tests and benchmarks)
+run one batch, the latter replicated over the whole pool.
 """
 
-import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -28,6 +27,7 @@ from jaxserve.kv_cache import KVCache
 from jaxserve.sampling import (
     PenaltyState,
     SamplingTensors,
+    any_penalty,
     apply_penalties,
     record_output,
     record_prompt,
@@ -77,10 +77,24 @@ def _step(
         graphdef, state, kv_cache, inputs.token_ids, inputs.positions, inputs.metadata
     )
     params = inputs.sampling
-    penalties = record_prompt(penalties, params, inputs.token_ids)
-    tokens = sample(apply_penalties(logits, penalties, params), params)
-    penalties = record_output(penalties, params, tokens)
+    # only rows with a penalty read the penalty records: in a step without one they
+    # are left alone (keeping them costs every row of the step)
+    active = any_penalty(params)
+    penalized, penalties = jax.lax.cond(
+        active, _penalize, lambda lg, pn, *_: (lg, pn), logits, penalties, params,
+        inputs.token_ids,
+    )
+    tokens = sample(penalized, params)
+    penalties = jax.lax.cond(active, record_output, lambda pn, *_: pn, penalties, params, tokens)
     return _results(logits, tokens, params.logprobs), kv_cache, penalties
+
+
+def _penalize(
+    logits: jax.Array, penalties: PenaltyState, params: SamplingTensors, token_ids: jax.Array
+) -> tuple[jax.Array, PenaltyState]:
+    """Record this step's prompt tokens, then apply every row's penalties."""
+    penalties = record_prompt(penalties, params, token_ids)
+    return apply_penalties(logits, penalties, params), penalties
 
 
 def _score(
@@ -126,8 +140,43 @@ def _results(logits: jax.Array, tokens: jax.Array, logprobs: jax.Array) -> jax.A
 
 
 forward = jax.jit(_forward, static_argnums=0, donate_argnums=2)
-step = jax.jit(_step, static_argnums=0, donate_argnums=(2, 3))
-score = jax.jit(_score, static_argnums=0, donate_argnums=2)
+
+
+def jit_step(graphdef: nnx.GraphDef, state: nnx.State, layout: Layout | None = None) -> Callable:
+    """`_step` jitted for this model: called as (weights, kv_cache, penalties, inputs),
+    `weights` the state's leaves (`jax.tree.leaves(state)`).
+
+    The model's structure is bound here rather than passed at every call: hashing a
+    GraphDef and flattening an nnx.State cost ~0.7 ms of host time a step.
+    With `layout`, for its mesh: the inputs are the data shards' packed batches end
+    to end and the penalty state the shards' rows end to end (both sharded over
+    "data"); under `shard_map` each shard runs `_step` on its own batch, pages and
+    penalty rows, with page ids local to its pool. Results come back replicated,
+    shard after shard.
+    """
+    fn = _bound(_step, graphdef, state)
+    if layout is None:
+        return jax.jit(fn, donate_argnums=(1, 2))
+    return jax.jit(
+        _per_data_shard(fn, layout, num_sharded_inputs=2, outputs=(_DATA, _KV, _DATA)),
+        donate_argnums=(1, 2),
+        in_shardings=(jax.tree.leaves(layout.state), layout.kv_cache, layout.data, layout.data),
+        out_shardings=(layout.replicated, layout.kv_cache, layout.data),
+    )
+
+
+def jit_score(graphdef: nnx.GraphDef, state: nnx.State, layout: Layout | None = None) -> Callable:
+    """`_score` jitted for this model, as `jit_step`: (weights, kv_cache, token_ids,
+    positions, metadata, targets); with `layout`, each data shard scores its own rows."""
+    fn = _bound(_score, graphdef, state)
+    if layout is None:
+        return jax.jit(fn, donate_argnums=1)
+    return jax.jit(
+        _per_data_shard(fn, layout, num_sharded_inputs=4, outputs=(_DATA, _KV)),
+        donate_argnums=1,
+        in_shardings=(jax.tree.leaves(layout.state), layout.kv_cache, *[layout.data] * 4),
+        out_shardings=(layout.replicated, layout.kv_cache),
+    )
 
 
 def sharded_forward(layout: Layout) -> Callable:
@@ -142,32 +191,14 @@ def sharded_forward(layout: Layout) -> Callable:
     )
 
 
-def sharded_score(layout: Layout) -> Callable:
-    """`score` jitted for `layout`'s mesh, each data shard on its own rows (see `sharded_step`)."""
-    return jax.jit(
-        _per_data_shard(_score, layout, num_sharded_inputs=4, outputs=(_DATA, _KV)),
-        static_argnums=0,
-        donate_argnums=2,
-        in_shardings=(layout.state, layout.kv_cache, *[layout.data] * 4),
-        out_shardings=(layout.replicated, layout.kv_cache),
-    )
+def _bound(fn: Callable, graphdef: nnx.GraphDef, state: nnx.State) -> Callable:
+    """fn(graphdef, state, *args) as fn'(weights, *args), weights the state's leaves."""
+    treedef = jax.tree.structure(state)
 
+    def run(weights: list[jax.Array], *args):
+        return fn(graphdef, jax.tree.unflatten(treedef, weights), *args)
 
-def sharded_step(layout: Layout) -> Callable:
-    """`step` jitted for `layout`'s mesh.
-
-    The inputs are the data shards' packed batches end to end and the penalty
-    state the shards' rows end to end (both sharded over "data"); under
-    `shard_map` each shard runs `_step` on its own batch, pages and penalty rows,
-    with page ids local to its pool. Results come back replicated, shard after shard.
-    """
-    return jax.jit(
-        _per_data_shard(_step, layout, num_sharded_inputs=2, outputs=(_DATA, _KV, _DATA)),
-        static_argnums=0,
-        donate_argnums=(2, 3),
-        in_shardings=(layout.state, layout.kv_cache, layout.data, layout.data),
-        out_shardings=(layout.replicated, layout.kv_cache, layout.data),
-    )
+    return run
 
 
 _DATA = PartitionSpec(DATA)  # axis 0 split over the data shards
@@ -177,20 +208,15 @@ _KV = PartitionSpec(None, None, DATA)  # [layer, kv_head, page, ...]: pages per 
 def _per_data_shard(
     fn: Callable, layout: Layout, num_sharded_inputs: int, outputs: tuple
 ) -> Callable:
-    """fn(graphdef, state, kv_cache, *inputs) run by each data shard on its own part.
+    """fn(weights, kv_cache, *inputs) run by each data shard on its own part.
 
     Manual over "data" only: the weights' "model" sharding stays with the compiler.
     """
-
-    def run(graphdef, state, kv_cache, *inputs):
-        local = jax.shard_map(
-            functools.partial(fn, graphdef),
-            mesh=layout.mesh,
-            in_specs=(PartitionSpec(), _KV, *[_DATA] * num_sharded_inputs),
-            out_specs=outputs,
-            axis_names={DATA},
-            check_vma=False,
-        )
-        return local(state, kv_cache, *inputs)
-
-    return run
+    return jax.shard_map(
+        fn,
+        mesh=layout.mesh,
+        in_specs=(PartitionSpec(), _KV, *[_DATA] * num_sharded_inputs),
+        out_specs=outputs,
+        axis_names={DATA},
+        check_vma=False,
+    )
