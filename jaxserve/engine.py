@@ -20,7 +20,7 @@ from jaxserve.request import Request
 from jaxserve.results import StepResults
 from jaxserve.scheduler import Scheduler, SchedulerOutput
 from jaxserve.sequence import Sequence as SequenceState
-from jaxserve.stream import OutputStream, RequestOutput
+from jaxserve.stream import OutputStream, RequestOutput, notify
 from jaxserve.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -160,8 +160,7 @@ class Engine:
         self.scheduler.update(
             out, {rid: int(results.tokens[row]) for rid, row in sampled.items()}
         )
-        for request_id, row in sampled.items():
-            self._emit(request_id, results, row)
+        notify([self._emit(request_id, results, row) for request_id, row in sampled.items()])
         if self.debug_checks:
             self.scheduler.check_invariants()
         if self.on_step is not None:
@@ -186,7 +185,9 @@ class Engine:
             ids, values = rows.top_ids[i, :n], rows.top_logprobs[i, :n]
             live.prompt_top_logprobs.append({int(t): float(v) for t, v in zip(ids, values)})
 
-    def _emit(self, request_id: str, results: StepResults, row: int) -> None:
+    def _emit(self, request_id: str, results: StepResults, row: int) -> OutputStream:
+        """Push the row's output to its stream without waking the consumer (the caller
+        does, for every stream at once); the stream is returned for that."""
         live = self.live[request_id]
         token = int(results.tokens[row])
         first = not live.state.output_ids
@@ -210,11 +211,12 @@ class Engine:
             prompt_logprobs=tuple(live.prompt_logprobs) if first and prompt else None,
             prompt_top_logprobs=tuple(live.prompt_top_logprobs) if first and prompt else None,
         )
-        if not live.stream.push(output, force=output.finished):
+        if not live.stream.push(output, force=output.finished, wake=False):
             log.warning("output buffer of %s is full: cancelling it", request_id)
             self._finish(request_id, "abort")
         elif output.finished:
             self._finish(request_id, None)
+        return live.stream
 
     def _finish(self, request_id: str, reason: str | None) -> None:
         """Free the request's pages; with a reason, tell its consumer it was stopped."""

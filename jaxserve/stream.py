@@ -3,12 +3,13 @@
 The engine only ever calls `push`, which never blocks: when the buffer is full it
 returns False and the engine cancels that request alone. Consumers read with a
 blocking `get` (threads) or `async for` (asyncio; the engine wakes the loop with
-`call_soon_threadsafe`).
+`call_soon_threadsafe`, once a step for all its streams: see `notify`).
 """
 
 import asyncio
 import threading
-from collections import deque
+from collections import defaultdict, deque
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 
@@ -53,15 +54,18 @@ class OutputStream:
         self._async_ready = asyncio.Event() if loop is not None else None
         self._finished_read = False  # the consumer has taken the final item
 
-    def push(self, item: RequestOutput, force: bool = False) -> bool:
-        """Append without blocking; False if full (a final item may `force` its way in)."""
+    def push(self, item: RequestOutput, force: bool = False, wake: bool = True) -> bool:
+        """Append without blocking; False if full (a final item may `force` its way in).
+
+        With `wake` False an asyncio consumer is not woken: the caller calls `notify`.
+        """
         with self._lock:
             if len(self._items) >= self.capacity and not force:
                 return False
             self._items.append(item)
             self._ready.notify_all()
-        if self._loop is not None:
-            self._loop.call_soon_threadsafe(self._async_ready.set)
+        if wake:
+            notify([self])
         return True
 
     def __len__(self) -> int:
@@ -88,3 +92,22 @@ class OutputStream:
                     return item
                 self._async_ready.clear()
             await self._async_ready.wait()
+
+
+def notify(streams: Iterable[OutputStream]) -> None:
+    """Wake the asyncio consumers of `streams`, with one call per event loop.
+
+    Each `call_soon_threadsafe` writes to the loop's self-pipe and takes the GIL;
+    one a step rather than one per request keeps the engine thread's emit short.
+    """
+    by_loop = defaultdict(list)
+    for stream in streams:
+        if stream._loop is not None:
+            by_loop[stream._loop].append(stream._async_ready)
+    for loop, events in by_loop.items():
+        loop.call_soon_threadsafe(_set_all, events)
+
+
+def _set_all(events: list[asyncio.Event]) -> None:
+    for event in events:
+        event.set()

@@ -402,9 +402,9 @@ class Server:
             take it within the write timeout."""
             data = b"[DONE]" if body is None else msgspec.json.encode(body)
             try:
-                await asyncio.wait_for(
-                    resp.write(b"data: " + data + b"\n\n"), self.config.stream_write_timeout_s
-                )
+                # a timeout scope, not wait_for: that starts a task for every event
+                async with asyncio.timeout(self.config.stream_write_timeout_s):
+                    await resp.write(b"data: " + data + b"\n\n")
             except TimeoutError:
                 raise ClientStalled(response_id) from None
 

@@ -1,0 +1,55 @@
+"""The bounded output stream between the engine thread and its asyncio consumers."""
+
+import asyncio
+import threading
+
+from jaxserve.stream import OutputStream, RequestOutput, notify
+
+
+def test_a_step_wakes_all_its_asyncio_consumers_with_one_loop_call():
+    """Pushes without `wake` leave the consumers asleep; one `notify` from the engine
+    thread wakes them all with a single `call_soon_threadsafe`."""
+
+    async def body():
+        loop = asyncio.get_running_loop()
+        calls = 0
+        call_soon_threadsafe = loop.call_soon_threadsafe
+
+        def counted(*args):
+            nonlocal calls
+            calls += 1
+            return call_soon_threadsafe(*args)
+
+        loop.call_soon_threadsafe = counted
+        streams = [OutputStream(f"req-{i}", 4, loop) for i in range(3)]
+        readers = [asyncio.create_task(anext(aiter(s))) for s in streams]
+        await asyncio.sleep(0.01)  # every reader waits
+
+        async def on_engine_thread(fn):  # not to_thread: it calls the loop itself
+            thread = threading.Thread(target=fn)
+            thread.start()
+            while thread.is_alive():
+                await asyncio.sleep(0.001)
+
+        def step():
+            for s in streams:
+                assert s.push(RequestOutput(s.request_id, (7,), "x"), wake=False)
+
+        await on_engine_thread(step)
+        done, _ = await asyncio.wait(readers, timeout=0.1)
+        assert not done and calls == 0
+        await on_engine_thread(lambda: notify(streams))
+        outputs = await asyncio.wait_for(asyncio.gather(*readers), 5)
+        assert [o.request_id for o in outputs] == ["req-0", "req-1", "req-2"]
+        assert calls == 1
+
+    asyncio.run(body())
+
+
+def test_a_full_stream_refuses_all_but_a_final_output():
+    stream = OutputStream("req", capacity=2)
+    assert stream.push(RequestOutput("req", (1,), "a"))
+    assert stream.push(RequestOutput("req", (2,), "b"))
+    assert not stream.push(RequestOutput("req", (3,), "c"))
+    assert stream.push(RequestOutput("req", (), "", "abort"), force=True)
+    assert [stream.get(1).text for _ in range(3)] == ["a", "b", ""]
