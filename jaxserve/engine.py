@@ -242,6 +242,10 @@ class Engine:
     def num_waiting(self) -> int:
         return len(self.scheduler.waiting) + len(self._inbox)
 
+    def waiting_requests(self) -> list[Request]:
+        """Requests not yet admitted: queued in the scheduler or not yet taken in."""
+        return list(self.scheduler.waiting) + list(self._inbox)
+
     def live_requests(self) -> list[LiveRequest]:
         now = time.monotonic()
         running = self.scheduler.running
@@ -264,7 +268,7 @@ class Engine:
 
     def oldest_waiting_age(self) -> float:
         """Seconds the longest-waiting queued request has waited (0 when none waits)."""
-        waiting = list(self.scheduler.waiting) + list(self._inbox)
+        waiting = self.waiting_requests()
         if not waiting:
             return 0.0
         return time.monotonic() - min(r.arrival_time for r in waiting)

@@ -4,6 +4,11 @@ Little's law sizes the queue: depth = wait budget × admission rate, measured
 over the engine's recent admissions, with the batch size as a floor while the
 rate is still unknown. Past the bound, or past the queued-token cap, a request
 is refused at once with 429 and a Retry-After from the current drain rate.
+
+One tenant may fill the queue only up to its share: an eighth of the places (at
+least one) stays for the other tenants, so a script flooding the replica still
+leaves them room to queue (as the scheduler's reserved rows leave them room to
+run). A tenant with nothing queued may always queue what the bound allows.
 """
 
 import math
@@ -30,14 +35,31 @@ class QueuePolicy:
             return 1
         return min(60, max(1, math.ceil(queued / admission_rate)))
 
+    def tenant_share(self, bound: int) -> int:
+        """Places of a queue of `bound` that one tenant may hold."""
+        return bound - max(1, bound // 8) if bound > 1 else bound
+
     def admit(
-        self, queued: int, queued_tokens: int, new: int, new_tokens: int, admission_rate: float
+        self,
+        queued: int,
+        queued_tokens: int,
+        new: int,
+        new_tokens: int,
+        admission_rate: float,
+        tenant_queued: int = 0,
     ) -> None:
-        """Raise a 429 unless `new` requests of `new_tokens` prompt tokens fit the queue."""
+        """Raise a 429 unless `new` requests of `new_tokens` prompt tokens fit the queue,
+        `tenant_queued` of its `queued` requests being the same tenant's."""
         bound = self.bound(admission_rate)
+        share = self.tenant_share(bound)
         reason = None
         if queued + new > bound:
             reason = f"the queue is full ({queued} waiting, bound {bound})"
+        elif tenant_queued and tenant_queued + new > share:
+            reason = (
+                f"this tenant holds {tenant_queued} of the queue's {bound} places, and "
+                f"{bound - share} are kept for other tenants"
+            )
         elif queued_tokens + new_tokens > self.max_queued_tokens:
             reason = (
                 f"too many prompt tokens queued ({queued_tokens} + {new_tokens} > "

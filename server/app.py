@@ -260,13 +260,14 @@ class Server:
         self.tenants.check_limits(policy, max(len(p) for p in prompts), params.max_tokens)
         count = len(prompts) * req.n
         try:
-            waiting = list(engine.scheduler.waiting)
+            waiting = engine.waiting_requests()
             self.config.queue.admit(
-                engine.num_waiting(),
+                len(waiting),
                 sum(len(r.prompt_ids) for r in waiting),
                 count,
                 sum(len(p) for p in prompts) * req.n,
                 engine.admission_rate(),
+                tenant_queued=sum(r.tenant == policy.name for r in waiting),
             )
             self.tenants.acquire(policy, count)
         except APIError as e:
