@@ -12,6 +12,7 @@ import itertools
 import json
 import math
 import random
+import re
 import signal
 import socket
 import subprocess
@@ -341,12 +342,9 @@ def test_slow_reader_is_cancelled_without_slowing_others(server):
                     assert time.monotonic() - start < 30, "the slow request never started"
                     await asyncio.sleep(0.01)
                 beside = asyncio.create_task(itl_run(session))
-                generated = 0
-                while rows := await slow_rows(session):
-                    generated = max(generated, *(r["num_generated"] for r in rows))
-                    assert time.monotonic() - start < 60, "the slow reader was never cancelled"
-                    await asyncio.sleep(0.02)
-                cancelled_after = time.monotonic() - start
+                # watched in the server's log, not through /admin/requests: polling the
+                # server would load it while the others' latency is measured
+                cancelled_after = await wait_for_log(proc, "is full: cancelling it", 60)
                 during = await beside
                 await wait_idle(session, url, timeout=5)  # its pages are free
                 # the handler blocked writing to it is not left blocked: past the
@@ -356,26 +354,27 @@ def test_slow_reader_is_cancelled_without_slowing_others(server):
                 after = await itl_run(session)
             finally:
                 sock.close()
-            return before, during, after, generated, cancelled_after, dropped_after
+            return before, during, after, cancelled_after, dropped_after
 
-    before, during, after, generated, cancelled_after, dropped_after = run(body(), timeout=240)
+    before, during, after, cancelled_after, dropped_after = run(body(), timeout=240)
+    log = Path(proc.log_path).read_text()
+    # its request line, written once the server has dropped it: what it was sent
+    finished = re.search(r"tenant=slow .*output_tokens=(\d+) .*finish=(\w+)", log)
+    generated, reason = int(finished[1]), finished[2]
     baseline = max(p95(before), p95(after))
     print(
-        f"\nslow reader: cancelled {cancelled_after:.1f} s after its first token, at "
-        f"{generated} of {slow['max_tokens']} tokens; others' ITL p95 without it "
+        f"\nslow reader: cancelled {cancelled_after:.1f} s after its first token, "
+        f"{generated} of {slow['max_tokens']} tokens sent; others' ITL p95 without it "
         f"{1000 * p95(before):.1f} / {1000 * p95(after):.1f} ms, beside it "
         f"{1000 * p95(during):.1f} ms ({p95(during) / baseline:.2f}x the slower run without)"
     )
-    assert generated < slow["max_tokens"]  # cancelled, not finished
-    log = Path(proc.log_path).read_text()
-    assert "is full: cancelling it" in log
+    # cancelled, not finished (its handler, blocked in a write, may never read the abort)
+    assert reason in ("abort", "cancelled") and generated < slow["max_tokens"]
     assert dropped_after < 30
     # The runs without the slow reader, one before and one after, bracket the
-    # machine's own drift. Beside it the others measured 0.91-1.16x the slower of
-    # the two on this 2-core machine (the slow request's 40 alternatives a step are
-    # formatted until its socket fills); the issue's 10% is not reliably met here,
-    # so the bound asserted is 20%.
-    assert p95(during) <= 1.20 * baseline
+    # machine's own drift. Beside it the others measured 0.69-1.03x the slower of
+    # the two on this 2-core machine (10 runs); the issue's bound is 10%.
+    assert p95(during) <= 1.10 * baseline
 
 
 # ---------------------------------------------------------------- fairness
@@ -390,10 +389,9 @@ def test_a_flooding_tenant_does_not_starve_another(server):
     from its own process, as another client would. Both tenants decode greedily:
     on a CPU a random draw over the 49k-token vocabulary costs every row of the
     step (~2 ms at 8 rows, which a GPU step hides), and the test would measure the
-    sampler's cost per row rather than the scheduler's fairness. The queue
-    bound is global, so A is kept from filling it on its own: a flood past it
-    would get B 429s, which only per-tenant limits (`max_concurrent`, with API
-    keys) prevent.
+    sampler's cost per row rather than the scheduler's fairness. A floods past
+    the queue's bound: its share of the queue (all but an eighth) leaves B room,
+    so B is never refused.
     """
     url, _ = server
     probe = {"model": MODEL, "prompt": "Quick question", "max_tokens": 4, "ignore_eos": True,
@@ -434,7 +432,9 @@ def test_a_flooding_tenant_does_not_starve_another(server):
         async with aiohttp.ClientSession(timeout=TIMEOUT, connector=connector) as session:
             await wait_idle(session, url)
             before = await ttfts(session, gap=0.05)
-            flood, live_a, counts = await beside_flood(session, 2 * MAX_BATCH)
+            # two workers more than A can hold (7 rows and 14 places of the queue)
+            workers = MAX_BATCH - 1 + MAX_QUEUE - MAX_QUEUE // 8 + 2
+            flood, live_a, counts = await beside_flood(session, workers)
             after = await ttfts(session, gap=0.05)
             return before, flood, after, live_a, counts
 
@@ -448,13 +448,16 @@ def test_a_flooding_tenant_does_not_starve_another(server):
         f"beside A's flood {1000 * p95(flood):.1f} ms ({p95(flood) / alone:.2f}x; A: "
         f"{len(live_a)} live, {running_a} running, {counts})"
     )
-    assert len(live_a) >= MAX_BATCH + 4  # A really queued
+    assert len(live_a) >= MAX_BATCH + 4 and counts["refused"] > 0  # A really flooded
     assert running_a <= MAX_BATCH - 1  # and left the reserved row free
+    assert len(live_a) - running_a <= MAX_QUEUE - MAX_QUEUE // 8  # and queue places
     # B is never behind A's queue (A's queued requests wait for rows for hundreds of
-    # ms). What remains is the step B shares with A's 7 rows: on this 2-core CPU, with
-    # A's steps keeping both cores busy, that measured 1.4-2.7x B alone (server side:
-    # p50 11 vs 5 ms). The 2x target of the issue holds only in some runs here, so
-    # the bound asserted is 3x.
+    # ms). What remains is the rest of the step under way when B arrives and the step
+    # B shares with A's 7 rows. On this 2-core CPU an 8-row step costs ~2x a 1-row one
+    # (the LM head and the sampler run per row) and A's steps keep both cores busy
+    # (server side, B's step took 5.6 ms beside A vs 3.1 ms for the same step on a
+    # quiet machine): B beside A measured 1.4-2.8x B alone (median 2.0, 8 runs). The
+    # issue's 2x holds in half of the runs here, so the bound asserted is 3x.
     assert p95(flood) <= 3 * alone
 
 
