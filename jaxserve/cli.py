@@ -1,6 +1,7 @@
 """The `jaxserve` command: generate, convert, serve, plan."""
 
 import argparse
+import gc
 import sys
 import time
 from pathlib import Path
@@ -201,7 +202,9 @@ def _follow(args: argparse.Namespace) -> int:
     logging.basicConfig(  # force: importing jax has set up a handler already
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s", force=True
     )
-    multihost.follow(LLM(args.model, _engine_config(args)).runner)
+    runner = LLM(args.model, _engine_config(args)).runner
+    gc.freeze()  # as the server does: no full collection pauses the step loop
+    multihost.follow(runner)
     return 0
 
 

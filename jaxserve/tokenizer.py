@@ -77,6 +77,7 @@ class Tokenizer:
         self._chat_template = chat_template
         self._stop_token_ids = tuple(stop_token_ids)
         self._compiled_template: jinja2.Template | None = None
+        self._token_texts: dict[int, str] = {}
 
     # ---- construction -------------------------------------------------------------------
 
@@ -220,6 +221,17 @@ class Tokenizer:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """Text of `ids`; bytes that do not complete a UTF-8 character decode to U+FFFD."""
         return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def token_text(self, token_id: int) -> str:
+        """One token's own text, special tokens included: how logprobs name tokens.
+
+        Remembered once decoded: a stream with 20 alternatives a token names 20 tokens
+        a step, and a decode costs ~20 us of the event loop.
+        """
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self._token_texts[token_id] = self.decode([token_id], skip_special_tokens=False)
+        return text
 
     @property
     def vocab_size(self) -> int:

@@ -14,19 +14,15 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
     }
 
 
-def _token_text(tokenizer: Tokenizer, token_id: int) -> str:
-    return tokenizer.decode([token_id], skip_special_tokens=False)
-
-
 def completion_logprobs(tokenizer: Tokenizer, outputs: list[RequestOutput], offset: int) -> dict:
     """The legacy completions `logprobs` object for the tokens in `outputs`."""
     tokens, token_logprobs, top, offsets = [], [], [], []
     for out in outputs:
         for token_id, lp, alternatives in zip(out.token_ids, out.logprobs, out.top_logprobs):
-            text = _token_text(tokenizer, token_id)
+            text = tokenizer.token_text(token_id)
             tokens.append(text)
             token_logprobs.append(lp)
-            top.append({_token_text(tokenizer, i): v for i, v in alternatives.items()})
+            top.append({tokenizer.token_text(i): v for i, v in alternatives.items()})
             offsets.append(offset)
             offset += len(text)
     return {
@@ -42,13 +38,13 @@ def prompt_logprobs(tokenizer: Tokenizer, prompt_ids: list[int], first: RequestO
     the first token has no logprob and no alternatives)."""
     tokens, offsets, offset = [], [], 0
     for token_id in prompt_ids:
-        text = _token_text(tokenizer, token_id)
+        text = tokenizer.token_text(token_id)
         tokens.append(text)
         offsets.append(offset)
         offset += len(text)
     top = [
         None if alternatives is None
-        else {_token_text(tokenizer, i): v for i, v in alternatives.items()}
+        else {tokenizer.token_text(i): v for i, v in alternatives.items()}
         for alternatives in first.prompt_top_logprobs
     ]
     return {
@@ -69,23 +65,23 @@ def chat_logprobs(tokenizer: Tokenizer, outputs: list[RequestOutput]) -> dict:
     content = []
     for out in outputs:
         for token_id, lp, alternatives in zip(out.token_ids, out.logprobs, out.top_logprobs):
-            text = _token_text(tokenizer, token_id)
+            text = tokenizer.token_text(token_id)
             content.append(
                 {
                     "token": text,
                     "logprob": lp,
                     "bytes": list(text.encode()),
                     "top_logprobs": [
-                        {
-                            "token": _token_text(tokenizer, i),
-                            "logprob": v,
-                            "bytes": list(_token_text(tokenizer, i).encode()),
-                        }
+                        _chat_alternative(tokenizer.token_text(i), v)
                         for i, v in alternatives.items()
                     ],
                 }
             )
     return {"content": content}
+
+
+def _chat_alternative(text: str, logprob: float) -> dict:
+    return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
 
 
 def body(kind: str, request_id: str, model: str, choices: list[dict], usage_=None) -> dict:

@@ -244,6 +244,17 @@ def test_decode_matches_transformers(
     assert tok.decode([1, 4093, 198, 26843, 2]) == "user\nHi"
 
 
+def test_token_text_names_one_token_as_transformers_decodes_it(
+    tok: Tokenizer, hf_tok: transformers.PreTrainedTokenizerBase
+) -> None:
+    """Special tokens, byte tokens of split characters, and again once remembered."""
+    ids = [1, 2, 4093, 198, *tok.encode("é 😀 日本")]
+    for _ in range(2):
+        assert [tok.token_text(i) for i in ids] == [
+            hf_tok.decode([i], skip_special_tokens=False) for i in ids
+        ]
+
+
 def test_pre_tokenizer_is_llama_cpp_smollm(
     tok: Tokenizer, hf_tok: transformers.PreTrainedTokenizerBase
 ) -> None:
