@@ -101,7 +101,8 @@ def server_process(
         try:
             while True:
                 if proc.poll() is not None:
-                    raise RuntimeError(f"server exited at start-up; its log: {log_path}")
+                    tail = log_path.read_text()[-4000:]
+                    raise RuntimeError(f"server exited at start-up; its log, {log_path}:\n{tail}")
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"server not ready after {timeout_s:g}s; log: {log_path}")
                 try:

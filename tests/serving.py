@@ -1,12 +1,8 @@
 """Run a real `jaxserve serve` process on loopback for tests, and a tiny model to serve."""
 
 import contextlib
-import socket
-import subprocess
 import sys
 import tempfile
-import time
-import urllib.request
 from pathlib import Path
 
 import torch
@@ -15,12 +11,8 @@ import transformers
 from jaxserve.tokenizer import Tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+sys.path.insert(0, str(ROOT / "bench"))
+from common import free_port, server_process  # noqa: E402  (the benchmarks' own start-up)
 
 
 def save_tiny_chat_model(path: Path, gguf: Path) -> Path:
@@ -42,28 +34,9 @@ def running_server(model: Path, *flags: str, timeout: float = 300.0, env: dict |
     port = free_port()
     cmd = [sys.executable, "-m", "jaxserve.cli", "serve", "--model", str(model),
            "--port", str(port), "--compilation-cache-dir", str(ROOT / ".cache" / "jax"), *flags]
-    log = tempfile.NamedTemporaryFile("w+", prefix="jaxserve-", suffix=".log", delete=False)
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
-    proc.log_path = log.name  # tests read the server's log from here
+    with tempfile.NamedTemporaryFile(prefix="jaxserve-", suffix=".log", delete=False) as log:
+        log_path = Path(log.name)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + timeout
-    try:
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"server exited during start-up:\n{Path(log.name).read_text()}")
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"server not healthy after {timeout}s")
-            try:
-                with urllib.request.urlopen(url + "/health", timeout=1) as resp:
-                    if resp.status == 200:
-                        break
-            except OSError:
-                time.sleep(0.3)
+    with server_process(cmd, url + "/health", log_path, timeout, cwd=ROOT, env=env) as proc:
+        proc.log_path = log_path  # tests read the server's log from here
         yield url, proc
-    finally:
-        if proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
