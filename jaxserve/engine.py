@@ -100,10 +100,12 @@ class Engine:
         priority: int = 0,
         loop: asyncio.AbstractEventLoop | None = None,
         cache_salt: str = "",
+        lazy: bool = False,
     ) -> OutputStream:
         """Queue a request (checked at once: RequestRejected if it can never run).
 
-        Pass the asyncio `loop` of a consumer that reads the stream with `async for`.
+        Pass the asyncio `loop` of a consumer that reads the stream with `async for`,
+        and `lazy` if it wants the whole answer rather than each token (see stream.py).
         """
         with self._lock:
             self._ids += 1
@@ -121,7 +123,7 @@ class Engine:
             cache_salt,
         )
         self.scheduler.check(request)
-        stream = OutputStream(request_id, self.stream_capacity, loop)
+        stream = OutputStream(request_id, self.stream_capacity, loop, lazy)
         state = SequenceState(list(prompt_ids), params, self.tokenizer, self.eos_token_ids)
         with self._lock:
             self.live[request_id] = _Live(request, state, stream)
@@ -160,7 +162,8 @@ class Engine:
         self.scheduler.update(
             out, {rid: int(results.tokens[row]) for rid, row in sampled.items()}
         )
-        notify([self._emit(request_id, results, row) for request_id, row in sampled.items()])
+        now = time.monotonic()
+        notify([self._emit(request_id, results, row, now) for request_id, row in sampled.items()])
         if self.debug_checks:
             self.scheduler.check_invariants()
         if self.on_step is not None:
@@ -185,7 +188,7 @@ class Engine:
             ids, values = rows.top_ids[i, :n], rows.top_logprobs[i, :n]
             live.prompt_top_logprobs.append({int(t): float(v) for t, v in zip(ids, values)})
 
-    def _emit(self, request_id: str, results: StepResults, row: int) -> OutputStream:
+    def _emit(self, request_id: str, results: StepResults, row: int, now: float) -> OutputStream:
         """Push the row's output to its stream without waking the consumer (the caller
         does, for every stream at once); the stream is returned for that."""
         live = self.live[request_id]
@@ -208,6 +211,7 @@ class Engine:
             logprobs,
             top,
             queue_seconds=live.admitted_time - live.request.arrival_time if first else None,
+            time=now,
             prompt_logprobs=tuple(live.prompt_logprobs) if first and prompt else None,
             prompt_top_logprobs=tuple(live.prompt_top_logprobs) if first and prompt else None,
         )
@@ -226,7 +230,9 @@ class Engine:
         self.scheduler.finish(request_id)
         if reason is not None:
             live.stream.push(
-                RequestOutput(request_id, (), "", reason, len(live.request.prompt_ids)),
+                RequestOutput(
+                    request_id, (), "", reason, len(live.request.prompt_ids), time=time.monotonic()
+                ),
                 force=True,
             )
 

@@ -3,7 +3,10 @@
 The engine only ever calls `push`, which never blocks: when the buffer is full it
 returns False and the engine cancels that request alone. Consumers read with a
 blocking `get` (threads) or `async for` (asyncio; the engine wakes the loop with
-`call_soon_threadsafe`, once a step for all its streams: see `notify`).
+`call_soon_threadsafe`, once a step for all its streams: see `notify`). A consumer
+that only wants the whole answer (a non-streaming request) is `lazy`: it is woken
+when the answer is complete or the buffer half full, not for every token; each
+output carries the time the engine emitted it, so latency is measured all the same.
 """
 
 import asyncio
@@ -25,6 +28,7 @@ class RequestOutput:
     logprobs: tuple[float, ...] | None = None  # of each new token, when asked for
     top_logprobs: tuple[dict[int, float], ...] | None = None  # alternatives per new token
     queue_seconds: float | None = None  # on the first token: arrival to admission
+    time: float = 0.0  # time.monotonic() when the engine emitted it
     # on the first token, when asked for: per prompt token (None for the first one)
     # its logprob after the tokens before it, and the alternatives there
     prompt_logprobs: tuple[float | None, ...] | None = None
@@ -43,10 +47,13 @@ class OutputStream:
         request_id: str,
         capacity: int = 64,
         loop: asyncio.AbstractEventLoop | None = None,
+        lazy: bool = False,
     ):
-        """With `loop`, an asyncio consumer on that loop reads it with `async for`."""
+        """With `loop`, an asyncio consumer on that loop reads it with `async for`;
+        `lazy`, it is woken only for a final output or a half-full buffer."""
         self.request_id = request_id
         self.capacity = capacity
+        self.lazy = lazy
         self._items: deque[RequestOutput] = deque()
         self._lock = threading.Lock()
         self._ready = threading.Condition(self._lock)
@@ -70,6 +77,13 @@ class OutputStream:
 
     def __len__(self) -> int:
         return len(self._items)
+
+    def _wants_wake(self) -> bool:
+        if not self.lazy:
+            return True
+        with self._lock:
+            items = self._items
+            return bool(items) and (items[-1].finished or 2 * len(items) >= self.capacity)
 
     def get(self, timeout: float | None = None) -> RequestOutput:
         """Next item, waiting up to `timeout` seconds (TimeoutError after)."""
@@ -102,7 +116,7 @@ def notify(streams: Iterable[OutputStream]) -> None:
     """
     by_loop = defaultdict(list)
     for stream in streams:
-        if stream._loop is not None:
+        if stream._loop is not None and stream._wants_wake():
             by_loop[stream._loop].append(stream._async_ready)
     for loop, events in by_loop.items():
         loop.call_soon_threadsafe(_set_all, events)

@@ -291,6 +291,7 @@ class Server:
                         tenant=policy.name,
                         priority=policy.priority,
                         loop=loop,
+                        lazy=not req.stream,
                     )
                     choices.append(_Choice(len(choices), stream, ids))
             response_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
@@ -313,11 +314,12 @@ class Server:
                 self._log_request(c, policy, start)
 
     async def _pump(self, choice: _Choice, start: float, sink: asyncio.Queue | None = None):
-        """Read one engine stream to its end, observing latency metrics on the way."""
+        """Read one engine stream to its end, observing latency metrics on the way
+        (at the engine's emit times: a lazy stream is read in batches)."""
         m = self.metrics
         last = None
         async for out in choice.stream:
-            now = time.monotonic()
+            now = out.time
             if out.queue_seconds is not None:
                 m.request_queue_time.observe(out.queue_seconds)
             if out.token_ids:

@@ -53,3 +53,33 @@ def test_a_full_stream_refuses_all_but_a_final_output():
     assert not stream.push(RequestOutput("req", (3,), "c"))
     assert stream.push(RequestOutput("req", (), "", "abort"), force=True)
     assert [stream.get(1).text for _ in range(3)] == ["a", "b", ""]
+
+
+def test_a_lazy_consumer_is_woken_for_a_half_full_buffer_or_the_final_output():
+    """A non-streaming request's consumer is not woken for every token."""
+
+    async def body():
+        loop = asyncio.get_running_loop()
+        lazy = OutputStream("req", capacity=4, loop=loop, lazy=True)
+        reader = asyncio.create_task(anext(aiter(lazy)))
+        await asyncio.sleep(0.01)
+
+        async def push_and_notify(item):
+            thread = threading.Thread(target=lambda: (lazy.push(item, wake=False), notify([lazy])))
+            thread.start()
+            while thread.is_alive():
+                await asyncio.sleep(0.001)
+            await asyncio.sleep(0.05)  # room for a wake-up, if one was sent
+
+        await push_and_notify(RequestOutput("req", (1,), "a"))
+        assert not reader.done()  # one of four: not woken
+        await push_and_notify(RequestOutput("req", (2,), "b"))
+        assert reader.done() and reader.result().text == "a"  # half full: woken
+        rest = asyncio.create_task(anext(aiter(lazy)))
+        assert (await rest).text == "b"
+        last = asyncio.create_task(anext(aiter(lazy)))
+        await asyncio.sleep(0.01)
+        await push_and_notify(RequestOutput("req", (3,), "c", "length"))
+        assert last.done() and last.result().finish_reason == "length"  # final: woken
+
+    asyncio.run(body())
