@@ -162,8 +162,7 @@ class Engine:
         self.scheduler.update(
             out, {rid: int(results.tokens[row]) for rid, row in sampled.items()}
         )
-        now = time.monotonic()
-        notify([self._emit(request_id, results, row, now) for request_id, row in sampled.items()])
+        notify([self._emit(request_id, results, row) for request_id, row in sampled.items()])
         if self.debug_checks:
             self.scheduler.check_invariants()
         if self.on_step is not None:
@@ -188,7 +187,7 @@ class Engine:
             ids, values = rows.top_ids[i, :n], rows.top_logprobs[i, :n]
             live.prompt_top_logprobs.append({int(t): float(v) for t, v in zip(ids, values)})
 
-    def _emit(self, request_id: str, results: StepResults, row: int, now: float) -> OutputStream:
+    def _emit(self, request_id: str, results: StepResults, row: int) -> OutputStream:
         """Push the row's output to its stream without waking the consumer (the caller
         does, for every stream at once); the stream is returned for that."""
         live = self.live[request_id]
@@ -211,7 +210,6 @@ class Engine:
             logprobs,
             top,
             queue_seconds=live.admitted_time - live.request.arrival_time if first else None,
-            time=now,
             prompt_logprobs=tuple(live.prompt_logprobs) if first and prompt else None,
             prompt_top_logprobs=tuple(live.prompt_top_logprobs) if first and prompt else None,
         )
@@ -230,9 +228,7 @@ class Engine:
         self.scheduler.finish(request_id)
         if reason is not None:
             live.stream.push(
-                RequestOutput(
-                    request_id, (), "", reason, len(live.request.prompt_ids), time=time.monotonic()
-                ),
+                RequestOutput(request_id, (), "", reason, len(live.request.prompt_ids)),
                 force=True,
             )
 

@@ -11,9 +11,10 @@ output carries the time the engine emitted it, so latency is measured all the sa
 
 import asyncio
 import threading
+import time
 from collections import defaultdict, deque
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,7 +29,8 @@ class RequestOutput:
     logprobs: tuple[float, ...] | None = None  # of each new token, when asked for
     top_logprobs: tuple[dict[int, float], ...] | None = None  # alternatives per new token
     queue_seconds: float | None = None  # on the first token: arrival to admission
-    time: float = 0.0  # time.monotonic() when the engine emitted it
+    # time.monotonic() when the engine emitted it (made and pushed in one go)
+    time: float = field(default_factory=time.monotonic)
     # on the first token, when asked for: per prompt token (None for the first one)
     # its logprob after the tokens before it, and the alternatives there
     prompt_logprobs: tuple[float | None, ...] | None = None
