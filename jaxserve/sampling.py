@@ -215,15 +215,44 @@ def token_logprobs(
     Returns (f32[num_seqs], i32[num_seqs, MAX_LOGPROBS], f32[num_seqs, MAX_LOGPROBS]).
     Like vLLM, these are the model's own probabilities, before penalties or filters.
     The top-k over the vocabulary is the costly part: it runs only if `alternatives`.
+    The log-softmax is taken only where read (the chosen and top entries): written
+    out whole, [rows, vocab] costs ~0.5 ms more at 8 rows on a CPU.
     """
-    logprobs = jax.nn.log_softmax(logits, axis=-1)
-    chosen = jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
+    # log_softmax without writing it: only the chosen and the top entries are read
+    # (as jax.nn.log_softmax rounds: the maximum subtracted first, then the log-sum)
+    top = jnp.max(logits, axis=-1, keepdims=True)
+    log_sum = jnp.log(jnp.sum(jnp.exp(logits - top), axis=-1, keepdims=True))
+    chosen = ((jnp.take_along_axis(logits, tokens[:, None], axis=-1) - top) - log_sum)[:, 0]
 
-    def none(logprobs):
-        zeros = jnp.zeros((logprobs.shape[0], MAX_LOGPROBS))
+    def best(logits):
+        values, ids = top_k(logits, MAX_LOGPROBS)
+        return (values - top) - log_sum, ids
+
+    def none(logits):
+        zeros = jnp.zeros((logits.shape[0], MAX_LOGPROBS))
         return zeros, zeros.astype(jnp.int32)
 
-    top_values, top_ids = jax.lax.cond(
-        alternatives, lambda lp: tuple(jax.lax.top_k(lp, MAX_LOGPROBS)), none, logprobs
-    )
+    top_values, top_ids = jax.lax.cond(alternatives, best, none, logits)
     return chosen, top_ids.astype(jnp.int32), top_values
+
+
+def top_k(x: jax.Array, k: int, block: int = 256) -> tuple[jax.Array, jax.Array]:
+    """`jax.lax.top_k(x, k)` of f32[num_seqs, vocab]: the same values and indices.
+
+    XLA:CPU's top-k over a 49k vocabulary costs ~1.3 ms for 8 rows. The k largest
+    entries lie in the k blocks with the largest maxima, so a top-k over block
+    maxima, then over those blocks' entries, is a few times cheaper. The chosen
+    blocks are taken in index order, so ties resolve to the lower index as in
+    `lax.top_k`.
+    """
+    num_seqs, vocab = x.shape
+    if vocab <= 4 * k * block:
+        return jax.lax.top_k(x, k)
+    num_blocks = -(-vocab // block)
+    padded = jnp.pad(x, ((0, 0), (0, num_blocks * block - vocab)), constant_values=-jnp.inf)
+    blocks = padded.reshape(num_seqs, num_blocks, block)
+    chosen = jnp.sort(jax.lax.top_k(blocks.max(-1), k)[1], axis=-1)
+    candidates = jnp.take_along_axis(blocks, chosen[:, :, None], axis=1).reshape(num_seqs, -1)
+    values, inner = jax.lax.top_k(candidates, k)
+    ids = jnp.take_along_axis(chosen, inner // block, axis=-1) * block + inner % block
+    return values, ids

@@ -5,6 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxserve.config import MAX_LOGPROBS
 from jaxserve.sampling import (
     SamplingTensors,
     apply_penalties,
@@ -13,7 +14,9 @@ from jaxserve.sampling import (
     record_output,
     record_prompt,
     token_logprobs,
+    top_k,
 )
+from jaxserve.config import MAX_LOGPROBS
 from jaxserve.sampling import (
     sample as sample_eager,
 )
@@ -140,3 +143,27 @@ def test_logprobs_are_the_models_own():
     np.testing.assert_allclose(chosen, ref[jnp.arange(4), tokens], rtol=1e-6)
     assert np.array_equal(top_ids[:, 0], tokens)
     assert np.all(np.diff(np.asarray(top_values), axis=1) <= 0)
+
+
+@pytest.mark.parametrize("vocab", [50, 20 * 1024 + 1, 49152])
+def test_blocked_top_k_is_lax_top_k(vocab):
+    """Same values and indices, ties included (they resolve to the lower index)."""
+    x = np.array(jax.random.normal(jax.random.PRNGKey(vocab), (4, vocab)))
+    x[1] = np.round(x[1] * 2)  # many ties, across blocks
+    x[2, :] = 1.0  # one value everywhere
+    x[3, -5:] = 50.0  # the largest in the last, partial block
+    want_values, want_ids = jax.lax.top_k(jnp.asarray(x), MAX_LOGPROBS)
+    got_values, got_ids = jax.jit(top_k, static_argnums=1)(jnp.asarray(x), MAX_LOGPROBS)
+    np.testing.assert_array_equal(got_values, want_values)
+    np.testing.assert_array_equal(got_ids, want_ids)
+
+
+def test_logprobs_match_log_softmax_at_full_vocabulary():
+    logits = jax.random.normal(jax.random.PRNGKey(1), (3, 49152)) * 4
+    tokens = jnp.array([0, 17, 49151], jnp.int32)
+    chosen, top_ids, top_values = jax.jit(token_logprobs)(logits, tokens)
+    ref = np.asarray(jax.nn.log_softmax(logits, -1))
+    np.testing.assert_allclose(chosen, ref[np.arange(3), tokens], rtol=1e-5)
+    ref_values, ref_ids = jax.lax.top_k(jnp.asarray(ref), MAX_LOGPROBS)
+    np.testing.assert_array_equal(top_ids, ref_ids)
+    np.testing.assert_allclose(top_values, ref_values, rtol=1e-5)
