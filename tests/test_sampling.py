@@ -16,7 +16,6 @@ from jaxserve.sampling import (
     token_logprobs,
     top_k,
 )
-from jaxserve.config import MAX_LOGPROBS
 from jaxserve.sampling import (
     sample as sample_eager,
 )
