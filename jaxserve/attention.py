@@ -7,15 +7,19 @@ serves on CPU, where Pallas runs only in slow interpret mode) and "reference"
 the choice travels as a static field of the metadata, so model code never changes.
 """
 
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import jax
+from jax.sharding import PartitionSpec
 
 from jaxserve.config import ATTENTION_BACKENDS
 from jaxserve.kv_cache import KVCache
 from jaxserve.pallas_kernels.blocked_jnp import blocked_paged_attention
 from jaxserve.pallas_kernels.ragged_attention import ragged_paged_attention
 from jaxserve.pallas_kernels.reference import ragged_paged_attention_reference
+from jaxserve.sharding import MODEL
 
 
 def select_backend(requested: str | None = None) -> str:
@@ -64,16 +68,41 @@ def paged_attention(
         )
     k_pages, v_pages = kv_cache.k[layer], kv_cache.v[layer]
     if metadata.backend.startswith("pallas"):
-        return ragged_paged_attention(
-            q,
-            k_pages,
-            v_pages,
-            metadata.cu_q_lens,
-            metadata.kv_lens,
-            metadata.page_table,
-            scale=scale,
-            interpret=metadata.backend == "pallas-interpret",
+        kernel = functools.partial(
+            ragged_paged_attention, scale=scale, interpret=metadata.backend == "pallas-interpret"
+        )
+        return _head_local(kernel, k_pages.shape[0])(
+            q, k_pages, v_pages, metadata.cu_q_lens, metadata.kv_lens, metadata.page_table
         )
     return ragged_paged_attention_reference(
         q, k_pages, v_pages, metadata.seq_ids, positions, metadata.page_table, scale
+    )
+
+
+def _head_local(kernel: Callable, num_kv_heads: int) -> Callable:
+    """`kernel` run by each device of the "model" axis on its own heads, where the KV
+    heads divide that axis; else `kernel` itself.
+
+    A Pallas call has no partitioning rule: under the automatic "model" axis the
+    compiler would gather its operands, the layer's whole KV pool among them, to
+    every device at every step. Split by KV head, each device's query heads read
+    only its own KV heads' pages (the cache is sharded the same way, see
+    sharding.py), so the pool never moves.
+    """
+    mesh = jax.sharding.get_abstract_mesh()
+    if MODEL not in mesh.axis_names or MODEL in mesh.manual_axes:
+        return kernel
+    tp = mesh.shape[MODEL]
+    if tp == 1 or num_kv_heads % tp:
+        return kernel
+    heads = PartitionSpec(None, MODEL)  # q and the output: [tokens, heads, head_dim]
+    pool = PartitionSpec(MODEL)  # [kv_heads, pages, page_size, head_dim]
+    replicated = PartitionSpec()
+    return jax.shard_map(
+        kernel,
+        mesh=mesh,
+        in_specs=(heads, pool, pool, replicated, replicated, replicated),
+        out_specs=heads,
+        axis_names={MODEL},
+        check_vma=False,
     )

@@ -16,6 +16,8 @@ counts divide tp the shards fall on head boundaries and attention runs head-loca
 When they do not (SmolLM2: 9 heads, 3 KV heads), the flattened heads × head_dim
 weight columns still divide (576 and 192 by 8), so the weights stay sharded and
 XLA gathers the q/k/v activations before attention, which then runs replicated.
+The Pallas attention kernel has no partitioning rule of its own, so it is run
+under `shard_map` over "model" where the KV heads divide tp (`attention.py`).
 
 The KV cache [layer, kv_head, page, slot, head_dim] shards its KV-head axis by the
 same rule, so with kv_heads < tp (or not dividing it) the cache is replicated over

@@ -10,6 +10,7 @@ SCENARIO DIR`, which prints one JSON line of measurements for the tests to judge
 import asyncio
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -207,6 +208,29 @@ def test_engine_on_a_mesh_generates_the_tokens_of_one_device_without_compiling(r
     engine = random_run["engine"]
     assert engine["tokens_match"]
     assert engine["compiles_after_warmup"] == 0
+
+
+@pytest.fixture(scope="module")
+def pallas_run(tmp_path_factory) -> dict:
+    directory = tmp_path_factory.mktemp("sharded-pallas")
+    write_random_model(directory / "model")
+    return run_worker("pallas", directory)
+
+
+def test_pallas_attention_runs_on_each_devices_own_heads(pallas_run):
+    """A Pallas call has no partitioning rule: left to the compiler, it would gather
+    the layer's KV pool to every device. Where the 4 KV heads divide tp, each device's
+    kernel gets its own heads (8 query heads / tp); at tp 8 the cache is replicated
+    and so is the kernel. The tokens are one device's."""
+    assert pallas_run["kernel_heads"] == {"2x1": [4], "4x2": [2], "8x1": [8]}
+    assert all(pallas_run["tokens_match"].values()), pallas_run["tokens_match"]
+
+
+def test_head_local_pallas_attention_lowers_to_triton_in_a_manual_model_region(pallas_run):
+    """No GPU here: lowering for cuda checks what Triton and the partitioner accept."""
+    lowered = pallas_run["cuda_lowering"]
+    assert lowered["triton"] and lowered["manual_model"]
+    assert lowered["local_pool"] == "4x65x16x128xbf16"  # 8 KV heads over tp 2
 
 
 def test_smollm2_greedy_tokens_match_one_device_on_every_mesh(tmp_path):
@@ -581,10 +605,72 @@ def _smollm2_scenario(directory: Path) -> dict:
     return result
 
 
+def _pallas_scenario(directory: Path) -> dict:
+    """The Pallas backend (interpreted on CPU) on meshes, beside one device's XLA path;
+    and the head-local kernel lowered for cuda on a tp=2 mesh."""
+    import functools
+
+    import jax
+    import jax.numpy as jnp
+
+    import jaxserve.attention as attention
+    from jaxserve.config import SamplingParams
+    from jaxserve.llm import LLM
+    from jaxserve.pallas_kernels.ragged_attention import ragged_paged_attention
+    from jaxserve.sharding import make_mesh
+
+    heads_seen = []
+
+    def spy(q, *args, **kwargs):
+        heads_seen.append(q.shape[1])
+        return ragged_paged_attention(q, *args, **kwargs)
+
+    attention.ragged_paged_attention = spy
+    prompts, params = [[5, 6, 7, 8], [9, 10]], SamplingParams(max_tokens=6, temperature=0)
+    sizes = {"max_batch": 2, "num_pages": 64, "page_size": 4, "token_budget": 16,
+             "max_model_len": 64}
+
+    def tokens(tp, dp, backend):
+        llm = LLM(directory / "model", tp=tp, dp=dp, attention_backend=backend, **sizes)
+        return [out.token_ids for out in llm.generate(prompts, params)]
+
+    want = tokens(1, 1, "xla")
+    kernel_heads, tokens_match = {}, {}
+    for tp, dp in [(2, 1), (4, 2), (8, 1)]:
+        heads_seen.clear()
+        tokens_match[f"{tp}x{dp}"] = tokens(tp, dp, "pallas-interpret") == want
+        kernel_heads[f"{tp}x{dp}"] = sorted(set(heads_seen))
+
+    s = jax.ShapeDtypeStruct
+    pool = s((8, 65, 16, 128), jnp.bfloat16)
+
+    def head_local(q, k, v, *index):
+        kernel = functools.partial(ragged_paged_attention, scale=0.1)
+        return attention._head_local(kernel, k.shape[0])(q, k, v, *index)
+
+    with jax.set_mesh(make_mesh(2, 1)):
+        text = jax.jit(head_local).trace(
+            s((40, 32, 128), jnp.float32), pool, pool, s((5,), jnp.int32), s((4,), jnp.int32),
+            s((4, 16), jnp.int32),
+        ).lower(lowering_platforms=("cuda",)).as_text()
+    manual = next((line for line in text.splitlines() if "manual_computation" in line), "")
+    local_pool = re.search(r"%arg7: tensor<([^>]*)>", manual)
+    return {
+        "kernel_heads": kernel_heads,
+        "tokens_match": tokens_match,
+        "cuda_lowering": {
+            "triton": "xla.gpu.triton" in text,
+            "manual_model": 'manual_axes={"model"}' in manual,
+            "local_pool": local_pool and local_pool[1],
+        },
+    }
+
+
 if __name__ == "__main__":
     scenario, directory, *extra = sys.argv[1:]
     run = {
         "random": _random_scenario,
+        "pallas": _pallas_scenario,
         "smollm2": _smollm2_scenario,
         "multihost": _multihost_scenario,
     }[scenario]
