@@ -169,11 +169,16 @@ def run_worker(scenario: str, directory: Path) -> dict:
     return wait_all([spawn(scenario, directory)])[0]
 
 
+def run_on_random_model(tmp_path_factory, scenario: str) -> dict:
+    """Run `scenario` on 8 devices over a fresh random RANDOM-shaped model."""
+    directory = tmp_path_factory.mktemp(f"sharded-{scenario}")
+    write_random_model(directory / "model")
+    return run_worker(scenario, directory)
+
+
 @pytest.fixture(scope="module")
 def random_run(tmp_path_factory) -> dict:
-    directory = tmp_path_factory.mktemp("sharded-random")
-    write_random_model(directory / "model")
-    return run_worker("random", directory)
+    return run_on_random_model(tmp_path_factory, "random")
 
 
 def test_random_model_logits_match_one_device_on_every_mesh(random_run):
@@ -212,9 +217,7 @@ def test_engine_on_a_mesh_generates_the_tokens_of_one_device_without_compiling(r
 
 @pytest.fixture(scope="module")
 def pallas_run(tmp_path_factory) -> dict:
-    directory = tmp_path_factory.mktemp("sharded-pallas")
-    write_random_model(directory / "model")
-    return run_worker("pallas", directory)
+    return run_on_random_model(tmp_path_factory, "pallas")
 
 
 def test_pallas_attention_runs_on_each_devices_own_heads(pallas_run):
