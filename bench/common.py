@@ -33,7 +33,10 @@ def fmt(value: float | None, digits: int = 1) -> str:
 
 def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
     """A GitHub markdown table; cells are str()-ed, columns padded to their widest cell."""
-    cells = [[str(c) for c in headers], *[[str(c) for c in row] for row in rows]]
+    def cell(c: object) -> str:
+        return str(c).replace("|", "\\|")  # a bar inside a cell would end it
+
+    cells = [[cell(c) for c in headers], *[[cell(c) for c in row] for row in rows]]
     widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
     lines = ["| " + " | ".join(c.ljust(w) for c, w in zip(row, widths)) + " |" for row in cells]
     lines.insert(1, "|" + "|".join("-" * (w + 2) for w in widths) + "|")
@@ -120,3 +123,43 @@ def server_process(
                 except subprocess.TimeoutExpired:
                     proc.kill()
                     proc.wait()
+
+
+class PartReport:
+    """A JSON report rewritten after every result, so that a process stopped at its time
+    limit leaves what it had measured (the GPU suite's parts write theirs this way).
+
+    `markdown(data)` renders the data as the part's section of the suite's summary; it is
+    stored in the file beside the data, so the summary never needs the part's code.
+    """
+
+    def __init__(self, path: Path, markdown, **header) -> None:
+        self.path = path
+        self.markdown = markdown
+        self.data = {**header, "results": [], "complete": False}
+        self.write()
+
+    def add(self, row: dict) -> None:
+        self.data["results"].append(row)
+        self.write()
+
+    def update(self, **fields) -> None:
+        self.data.update(fields)
+        self.write()
+
+    def write(self) -> None:
+        self.data["markdown"] = self.markdown(self.data)
+        write_json(self.path, self.data)
+
+
+def cpu_description() -> dict:
+    """lscpu's model name and flags: every benchmark result records the CPU it ran on."""
+    try:
+        text = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        return {"model": None, "flags": None}
+    fields = {
+        key.strip(): value.strip()
+        for key, _, value in (line.partition(":") for line in text.splitlines())
+    }
+    return {"model": fields.get("Model name"), "flags": fields.get("Flags")}

@@ -117,22 +117,7 @@ class ModelRunner:
         self.compiles_after_warmup = 0
 
     def execute(self, out: SchedulerOutput) -> StepResults:
-        chunks = [
-            Chunk(
-                c.token_ids,
-                c.start,
-                c.seq.pages,
-                c.seq.request.params,
-                seed=c.seq.request.seed,
-                num_generated=c.seq.num_generated,
-                slot=c.seq.slot,
-                is_prompt=c.seq.in_prefill,
-                samples=c.samples,
-                first=c.first,
-            )
-            for c in out.chunks
-        ]
-        shards = [c.seq.shard for c in out.chunks]
+        chunks, shards = _chunks(out), [c.seq.shard for c in out.chunks]
         # scored before the step, so the K/V the cache keeps are the step's own
         prompt = {
             c.seq.request_id: self._score_chunk(chunk, c.seq.request.prompt_ids, shard)
@@ -182,19 +167,29 @@ class ModelRunner:
         self._count_compiles(before, (num_tokens, 1))
         return results
 
-    def _run(self, chunks: list[Chunk], shards: list[int], bucket: tuple[int, int]
-             ) -> StepResults:
-        """Run `chunks` (chunk i on data shard shards[i]); results in the chunks' order."""
+    def pack(self, out: SchedulerOutput) -> StepInputs:
+        """The host inputs `execute` would dispatch for `out` (benchmarks time the device
+        alone by dispatching them back to back)."""
+        return self._pack(_chunks(out), [c.seq.shard for c in out.chunks], out.bucket)[0]
+
+    def _pack(self, chunks: list[Chunk], shards: list[int], bucket: tuple[int, int]
+              ) -> tuple[StepInputs, list[int]]:
+        """The step inputs of `chunks` (chunk i on data shard shards[i]), and the result
+        row of each chunk."""
         packs, rows = [], []
         for s in range(self.num_shards):
             mine = [i for i, shard in enumerate(shards) if shard == s]
             packs.append(self._step_pack([chunks[i] for i in mine], bucket))
             rows += [(i, s * bucket[1] + j) for j, i in enumerate(mine)]
-        inputs = _concatenate(packs)
+        return _concatenate(packs), [row for _, row in sorted(rows)]
+
+    def _run(self, chunks: list[Chunk], shards: list[int], bucket: tuple[int, int]
+             ) -> StepResults:
+        """Run `chunks` (chunk i on data shard shards[i]); results in the chunks' order."""
+        inputs, order = self._pack(chunks, shards, bucket)
         if self.channel is not None:
             self.channel.send(STEP, bucket, inputs)
         results = self.dispatch_step(inputs, bucket)
-        order = [row for _, row in sorted(rows)]
         return StepResults.unpack(np.asarray(jax.device_get(results))[order])
 
     def _step_pack(self, chunks: list[Chunk], bucket: tuple[int, int]) -> StepInputs:
@@ -279,6 +274,25 @@ class ModelRunner:
             if worst <= fraction * tpot_slo_s:
                 best = seqs
         return best
+
+
+def _chunks(out: SchedulerOutput) -> list[Chunk]:
+    """The scheduled chunks as plain step data, in the output's order."""
+    return [
+        Chunk(
+            c.token_ids,
+            c.start,
+            c.seq.pages,
+            c.seq.request.params,
+            seed=c.seq.request.seed,
+            num_generated=c.seq.num_generated,
+            slot=c.seq.slot,
+            is_prompt=c.seq.in_prefill,
+            samples=c.samples,
+            first=c.first,
+        )
+        for c in out.chunks
+    ]
 
 
 def _concatenate(packs: list) -> object:
