@@ -11,7 +11,8 @@ timed at Llama-3-8B shapes against the HBM roofline.
    at the end of their context, at least one, beside decodes).
 2. Correctness sweep: both kernels at bf16 and f32, GQA groups 1/4/8, page sizes 16 and 32,
    rows of ragged lengths from 1 to 8k (decode rows; and prefill chunks, whole prompts and
-   decodes mixed in one ragged batch).
+   decodes mixed in one ragged batch), reading layer 1 of a two-layer cache as the model
+   does.
 
 Correctness: each kernel's output on a sample of tokens (every row's first and last, and
 more at random) against the per-token reference of `jaxserve.pallas_kernels.reference`,
@@ -125,8 +126,13 @@ class Batch:
     sample: np.ndarray  # i32[num_sample] tokens whose output is checked
 
 
-def make_pages(pool: Pool, num_pages: int, seed: int) -> tuple[jax.Array, jax.Array]:
+def make_pages(
+    pool: Pool, num_pages: int, seed: int, num_layers: int | None = None
+) -> tuple[jax.Array, jax.Array]:
+    """K and V pools of one layer, or of `num_layers` layers (the whole cache)."""
     shape = (pool.num_kv_heads, num_pages, pool.page_size, pool.head_dim)
+    if num_layers is not None:
+        shape = (num_layers, *shape)
     k_key, v_key = jax.random.split(jax.random.key(seed))
     return (jax.random.normal(k_key, shape, pool.dtype),
             jax.random.normal(v_key, shape, pool.dtype))
@@ -222,18 +228,20 @@ def num_kv_splits(pool: Pool, batch: int) -> int:
     return max(1, min(8, 1024 // (batch * pool.num_kv_heads)))
 
 
-def kernel_call(kind: str, batch: Batch, k_pages, v_pages, profile: Profile, splits: int):
-    """The kernel on `batch`, as a thunk."""
+def kernel_call(kind: str, batch: Batch, k_pages, v_pages, profile: Profile, splits: int,
+                layer: int | None = None):
+    """The kernel on `batch` (reading `layer` of a whole cache, if given), as a thunk."""
     scale = batch.q.shape[-1] ** -0.5
     if kind == "decode":
         return functools.partial(
             paged_attention, batch.q, k_pages, v_pages, jnp.asarray(batch.kv_lens),
-            jnp.asarray(batch.page_table), scale=scale, pages_per_block=profile.pages_per_block,
-            num_kv_splits=splits, interpret=profile.interpret,
+            jnp.asarray(batch.page_table), layer, scale=scale,
+            pages_per_block=profile.pages_per_block, num_kv_splits=splits,
+            interpret=profile.interpret,
         )
     return functools.partial(
         ragged_paged_attention, batch.q, k_pages, v_pages, jnp.asarray(batch.cu_q_lens),
-        jnp.asarray(batch.kv_lens), jnp.asarray(batch.page_table), scale=scale,
+        jnp.asarray(batch.kv_lens), jnp.asarray(batch.page_table), layer, scale=scale,
         block_q=profile.block_q, pages_per_block=profile.pages_per_block,
         interpret=profile.interpret,
     )
@@ -273,11 +281,13 @@ def run_check(kind: str, pool: Pool, profile: Profile, rng: np.random.Generator)
     else:
         rows = list(profile.sweep_ragged_rows)
     max_pages = -(-max(kv for _, kv in rows) // pool.page_size)
-    k_pages, v_pages = make_pages(pool, len(rows) * max_pages + 1, int(rng.integers(1 << 31)))
-    batch = make_batch(pool, rng, rows, k_pages.shape[1])
+    # a two-layer cache read at layer 1, as the model calls the kernels
+    k_cache, v_cache = make_pages(pool, len(rows) * max_pages + 1, int(rng.integers(1 << 31)), 2)
+    batch = make_batch(pool, rng, rows, k_cache.shape[2])
     splits = 2 if kind == "decode" else 1  # the decode rows split, as at small batch
-    out = kernel_call(kind, batch, k_pages, v_pages, profile, splits)()
-    max_err, ok = check_sample(out, batch, k_pages, v_pages, pool.dtype, pool.head_dim**-0.5)
+    out = kernel_call(kind, batch, k_cache, v_cache, profile, splits, layer=1)()
+    max_err, ok = check_sample(out, batch, k_cache[1], v_cache[1], pool.dtype,
+                               pool.head_dim**-0.5)
     return {"tokens": int(batch.cu_q_lens[-1]), "max_err": max_err, "ok": ok}
 
 

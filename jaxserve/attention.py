@@ -66,14 +66,16 @@ def paged_attention(
             q, kv_cache.k, kv_cache.v, layer, metadata.seq_ids, positions, metadata.page_table,
             scale,
         )
-    k_pages, v_pages = kv_cache.k[layer], kv_cache.v[layer]
     if metadata.backend.startswith("pallas"):
         kernel = functools.partial(
             ragged_paged_attention, scale=scale, interpret=metadata.backend == "pallas-interpret"
         )
-        return _head_local(kernel, k_pages.shape[0])(
-            q, k_pages, v_pages, metadata.cu_q_lens, metadata.kv_lens, metadata.page_table
+        # the whole cache and the layer: slicing the layer out here would copy its pool
+        return _head_local(kernel, kv_cache.k.shape[1])(
+            q, kv_cache.k, kv_cache.v, metadata.cu_q_lens, metadata.kv_lens,
+            metadata.page_table, layer,
         )
+    k_pages, v_pages = kv_cache.k[layer], kv_cache.v[layer]
     return ragged_paged_attention_reference(
         q, k_pages, v_pages, metadata.seq_ids, positions, metadata.page_table, scale
     )
@@ -84,7 +86,7 @@ def _head_local(kernel: Callable, num_kv_heads: int) -> Callable:
     heads divide that axis; else `kernel` itself.
 
     A Pallas call has no partitioning rule: under the automatic "model" axis the
-    compiler would gather its operands, the layer's whole KV pool among them, to
+    compiler would gather its operands, the whole KV cache among them, to
     every device at every step. Split by KV head, each device's query heads read
     only its own KV heads' pages (the cache is sharded the same way, see
     sharding.py), so the pool never moves.
@@ -96,12 +98,12 @@ def _head_local(kernel: Callable, num_kv_heads: int) -> Callable:
     if tp == 1 or num_kv_heads % tp:
         return kernel
     heads = PartitionSpec(None, MODEL)  # q and the output: [tokens, heads, head_dim]
-    pool = PartitionSpec(MODEL)  # [kv_heads, pages, page_size, head_dim]
+    pool = PartitionSpec(None, MODEL)  # [layers, kv_heads, pages, page_size, head_dim]
     replicated = PartitionSpec()
     return jax.shard_map(
         kernel,
         mesh=mesh,
-        in_specs=(heads, pool, pool, replicated, replicated, replicated),
+        in_specs=(heads, pool, pool, replicated, replicated, replicated, replicated),
         out_specs=heads,
         axis_names={MODEL},
         check_vma=False,

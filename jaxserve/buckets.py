@@ -4,6 +4,7 @@ A bucket is a (num_tokens, num_seqs) pair. The scheduler pads every batch up to
 the smallest bucket that holds it, so XLA never compiles while serving.
 """
 
+import itertools
 from dataclasses import dataclass
 
 
@@ -28,6 +29,34 @@ class BucketTable:
     def for_limits(max_batch: int, token_budget: int, min_tokens: int = 1) -> "BucketTable":
         """Powers of two covering up to `max_batch` rows and `token_budget` tokens a step."""
         return BucketTable(powers_of_two(min_tokens, token_budget), powers_of_two(1, max_batch))
+
+    @staticmethod
+    def parse(spec: str) -> "BucketTable":
+        """`TOKENS:ROWS`, each a comma-separated list of sizes, e.g. `1,8,64:1,8,64`."""
+        tokens, sep, rows = spec.partition(":")
+        try:
+            sizes = tuple(int(n) for n in tokens.split(",")), tuple(int(n) for n in rows.split(","))
+        except ValueError:
+            sep = ""
+        if not sep:
+            raise ValueError(
+                f"buckets must be TOKEN_SIZES:ROW_SIZES, e.g. 1,8,64:1,8,64; got {spec!r}"
+            )
+        return BucketTable(*sizes)
+
+    def __post_init__(self) -> None:
+        for name in ("token_sizes", "seq_sizes"):
+            sizes = getattr(self, name)
+            if not sizes or sizes[0] < 1 or any(a >= b for a, b in itertools.pairwise(sizes)):
+                raise ValueError(f"{name} must be increasing positive sizes, got {sizes}")
+
+    def covers(self, max_batch: int, token_budget: int) -> None:
+        """Raise unless a full batch (`max_batch` rows, `token_budget` tokens) has a bucket."""
+        if self.max_seqs < max_batch or self.max_tokens < token_budget:
+            raise ValueError(
+                f"the largest bucket ({self.max_tokens} tokens, {self.max_seqs} rows) must hold "
+                f"a full step: token_budget {token_budget}, max_batch {max_batch}"
+            )
 
     @property
     def max_tokens(self) -> int:

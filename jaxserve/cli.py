@@ -6,6 +6,7 @@ import sys
 import time
 from pathlib import Path
 
+from jaxserve.buckets import BucketTable
 from jaxserve.config import ATTENTION_BACKENDS
 
 
@@ -70,6 +71,11 @@ def main(argv: list[str] | None = None) -> int:
     _plan_flags(commands.add_parser("plan", help="size a deployment: KV pool, batch, replicas"))
 
     args = parser.parse_args(argv)
+    if args.command == "serve":
+        try:  # engine flags that disagree: a usage error, before anything loads
+            _engine_config(args)
+        except ValueError as err:
+            serve.error(str(err))
     run = {"generate": _generate, "convert": _convert, "serve": _serve, "plan": _plan}
     return run[args.command](args)
 
@@ -119,7 +125,15 @@ def _engine_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--dtype", default="float32")
     group.add_argument("--attention-backend", choices=ATTENTION_BACKENDS)
     group.add_argument("--tpot-slo-ms", type=float, help="cap the batch so steps stay under 60%%")
-    group.add_argument("--compilation-cache-dir", default=".cache/jax")
+    group.add_argument(
+        "--buckets", type=_bucket_table, metavar="TOKENS:ROWS",
+        help="step shapes to compile, e.g. 1,8,64:1,8,64 (default: powers of two up to "
+        "--token-budget and --max-batch); fewer buckets start faster, at more padding",
+    )
+    group.add_argument(
+        "--compilation-cache-dir", default=".cache/jax",
+        help="compiled buckets persist here: a second start loads them instead of compiling",
+    )
     group.add_argument("--stream-buffer", type=int, default=256, help="outputs per request")
     group.add_argument("--no-prefix-cache", action="store_true", help="never reuse KV pages")
     group.add_argument(
@@ -131,6 +145,13 @@ def _engine_flags(parser: argparse.ArgumentParser) -> None:
         "--dp", type=int, default=1,
         help="data shards of the batch (mesh 'data'); batch, pages and budget are per shard",
     )
+
+
+def _bucket_table(spec: str) -> BucketTable:
+    try:
+        return BucketTable.parse(spec)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
 
 
 def _engine_config(args: argparse.Namespace):
@@ -149,6 +170,8 @@ def _engine_config(args: argparse.Namespace):
         stream_capacity=args.stream_buffer,
         prefix_caching=not args.no_prefix_cache,
         reserved_rows=args.reserved_rows,
+        buckets=None if args.buckets is None else (args.buckets.token_sizes,
+                                                   args.buckets.seq_sizes),
         tp=args.tp,
         dp=args.dp,
     )

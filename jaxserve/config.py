@@ -2,6 +2,8 @@
 
 from dataclasses import dataclass
 
+from jaxserve.buckets import BucketTable
+
 
 @dataclass(frozen=True, slots=True)
 class RopeScaling:
@@ -124,6 +126,9 @@ class EngineConfig:
     # None: max(1, max_batch // 8)
     reserved_rows: int | None = None
     debug_checks: bool = False  # verify page ownership every step (tests turn it on)
+    # the compiled step shapes as (token sizes, row sizes); None: powers of two up to
+    # token_budget and max_batch. Fewer buckets start faster and pad more.
+    buckets: tuple[tuple[int, ...], tuple[int, ...]] | None = None
     tp: int = 1  # tensor parallelism: devices on the mesh's "model" axis
     dp: int = 1  # data parallelism: shards of the batch on the mesh's "data" axis
 
@@ -141,3 +146,5 @@ class EngineConfig:
             raise ValueError(
                 f"need 1 <= max_batch ({self.max_batch}) <= token_budget ({self.token_budget})"
             )
+        if self.buckets is not None:
+            BucketTable(*self.buckets).covers(self.max_batch, self.token_budget)

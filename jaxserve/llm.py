@@ -62,7 +62,10 @@ class LLM:
             cfg.max_model_len or self.config.max_position_embeddings,
             (cfg.num_pages - 1) * cfg.page_size,
         )
-        buckets = BucketTable.for_limits(cfg.max_batch, cfg.token_budget)
+        if cfg.buckets is None:
+            buckets = BucketTable.for_limits(cfg.max_batch, cfg.token_budget)
+        else:
+            buckets = BucketTable(*cfg.buckets)  # EngineConfig checked that it covers a step
         self.runner = ModelRunner(
             module,
             buckets,

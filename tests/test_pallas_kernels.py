@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxserve.pallas_kernels.paged_attention import paged_attention
+from jaxserve.pallas_kernels.paged_attention import fit_pages_per_block, paged_attention
 from jaxserve.pallas_kernels.ragged_attention import ragged_paged_attention
 from jaxserve.pallas_kernels.reference import (
     paged_attention_reference,
@@ -171,6 +171,53 @@ def test_ragged_decode_rows_equal_the_decode_kernel():
     np.testing.assert_allclose(ragged, np.asarray(decode)[kv_lens > 0], rtol=RTOL, atol=ATOL)
 
 
+
+def test_whole_cache_with_a_layer_reads_that_layer():
+    """The model passes every layer's pool and the layer (slicing one out would copy it):
+    each layer read gives what that layer alone gives, for both kernels."""
+    rng = np.random.default_rng(11)
+    layers = [make_pool(rng, 2) for _ in range(3)]
+    k = np.stack([kl for kl, _ in layers])  # [layers, kv_heads, pages, page_size, head_dim]
+    v = np.stack([vl for _, vl in layers])
+    kv_lens = np.array([LONG, 5, 1], np.int32)
+    page_table = assign_pages(rng, kv_lens)
+    q = rng.standard_normal((len(kv_lens), 6, HEAD_DIM), np.float32)
+    cu_q_lens = cu_lens([1, 1, 1])
+    for layer in range(3):
+        decode = paged_attention(
+            q, k, v, kv_lens, page_table, jnp.int32(layer), scale=SCALE,
+            pages_per_block=PAGES_PER_BLOCK, interpret=True,
+        )
+        ragged = ragged_paged_attention(
+            q, k, v, cu_q_lens, kv_lens, page_table, jnp.int32(layer), scale=SCALE,
+            block_q=BLOCK_Q, pages_per_block=PAGES_PER_BLOCK, interpret=True,
+        )
+        want = in_f64(paged_attention_reference, q, k[layer], v[layer], kv_lens, page_table)
+        np.testing.assert_allclose(np.asarray(decode), want, rtol=RTOL, atol=ATOL)
+        np.testing.assert_allclose(np.asarray(ragged), want, rtol=RTOL, atol=ATOL)
+
+
+def test_a_layer_goes_with_a_whole_cache_only():
+    q, k, v, kv_lens, page_table = decode_args()
+    cache = jax.ShapeDtypeStruct((2, *k.shape), k.dtype)
+    with pytest.raises(ValueError, match=r"holds every layer .* give the layer to read"):
+        paged_attention.trace(q, cache, cache, kv_lens, page_table, scale=SCALE, interpret=True)
+    with pytest.raises(ValueError, match="layer is given but k_pages holds one layer"):
+        paged_attention.trace(q, k, v, kv_lens, page_table, 0, scale=SCALE, interpret=True)
+    with pytest.raises(ValueError, match="layer must be an integer scalar"):
+        paged_attention.trace(q, cache, cache, kv_lens, page_table, jnp.zeros(2, jnp.int32),
+                              scale=SCALE, interpret=True)
+
+
+def test_page_blocks_shrink_to_fit_shared_memory():
+    # f32, head_dim 128: 8 pages of 32 keys ask 256 KiB of K/V a stage (seen failing to
+    # launch on an H200); 4 pages fit. bf16 at page size 16 keeps its 8.
+    assert fit_pages_per_block(8, 16, 32, 128, 4) == 4
+    assert fit_pages_per_block(8, 128, 32, 128, 4) == 4
+    assert fit_pages_per_block(8, 64, 16, 128, 2) == 8
+    assert fit_pages_per_block(1, 16, 16, 1024, 4) == 1  # never below one page
+    assert fit_pages_per_block(2, 16, 8, 1024, 4) == 2  # never below a 16-key block
+
 # -- padding never leaks into real rows -----------------------------------------------------
 
 
@@ -301,6 +348,11 @@ def test_kernels_lower_to_triton_for_cuda(num_heads, num_kv_heads, head_dim, dty
         s((40, num_heads, head_dim), jnp.float32), pool, pool, s((5,), jnp.int32), *index,
         scale=0.1,
     ).lower(lowering_platforms=("cuda",))
-    for lowered in (decode, ragged):
+    cache = s((2, num_kv_heads, 65, 16, head_dim), dtype)  # every layer, read at layer 1
+    layered = ragged_paged_attention.trace(
+        s((40, num_heads, head_dim), jnp.float32), cache, cache, s((5,), jnp.int32), *index,
+        s((), jnp.int32), scale=0.1,
+    ).lower(lowering_platforms=("cuda",))
+    for lowered in (decode, ragged, layered):
         assert "xla.gpu.triton" in lowered.as_text()
 

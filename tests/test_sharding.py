@@ -233,7 +233,7 @@ def test_head_local_pallas_attention_lowers_to_triton_in_a_manual_model_region(p
     """No GPU here: lowering for cuda checks what Triton and the partitioner accept."""
     lowered = pallas_run["cuda_lowering"]
     assert lowered["triton"] and lowered["manual_model"]
-    assert lowered["local_pool"] == "4x65x16x128xbf16"  # 8 KV heads over tp 2
+    assert lowered["local_pool"] == "3x4x65x16x128xbf16"  # 8 KV heads over tp 2
 
 
 def test_smollm2_greedy_tokens_match_one_device_on_every_mesh(tmp_path):
@@ -645,19 +645,19 @@ def _pallas_scenario(directory: Path) -> dict:
         kernel_heads[f"{tp}x{dp}"] = sorted(set(heads_seen))
 
     s = jax.ShapeDtypeStruct
-    pool = s((8, 65, 16, 128), jnp.bfloat16)
+    cache = s((3, 8, 65, 16, 128), jnp.bfloat16)  # every layer's pool, as the model passes
 
     def head_local(q, k, v, *index):
         kernel = functools.partial(ragged_paged_attention, scale=0.1)
-        return attention._head_local(kernel, k.shape[0])(q, k, v, *index)
+        return attention._head_local(kernel, k.shape[1])(q, k, v, *index)
 
     with jax.set_mesh(make_mesh(2, 1)):
         text = jax.jit(head_local).trace(
-            s((40, 32, 128), jnp.float32), pool, pool, s((5,), jnp.int32), s((4,), jnp.int32),
-            s((4, 16), jnp.int32),
+            s((40, 32, 128), jnp.float32), cache, cache, s((5,), jnp.int32), s((4,), jnp.int32),
+            s((4, 16), jnp.int32), s((), jnp.int32),
         ).lower(lowering_platforms=("cuda",)).as_text()
     manual = next((line for line in text.splitlines() if "manual_computation" in line), "")
-    local_pool = re.search(r"%arg7: tensor<([^>]*)>", manual)
+    local_pool = re.search(r"tensor<(\d+x\d+x65x16x128xbf16)>", manual)
     return {
         "kernel_heads": kernel_heads,
         "tokens_match": tokens_match,

@@ -3,7 +3,11 @@
 Layout: one layer's pool is head-major, `k_pages, v_pages: [num_kv_heads, num_pages,
 page_size, head_dim]`, page 0 being the reserved null page; sequence s owns the pages
 `page_table[s, :cdiv(kv_lens[s], page_size)]`, in order, and its query sits at position
-`kv_lens[s] - 1`, so it sees all `kv_lens[s]` keys.
+`kv_lens[s] - 1`, so it sees all `kv_lens[s]` keys. The whole cache, `[num_layers,
+num_kv_heads, ...]`, may be passed instead with the `layer` to read: the kernel then indexes
+the layer itself. A model should pass it so: slicing one layer out of the cache before the
+call is a copy of that layer's whole pool (a Pallas call takes whole buffers), which on an
+H200 cost ~1 ms a layer at Llama-3-8B shapes with a 69 GB pool, more than the step's own work.
 
 Design: the grid is (sequences, KV heads, KV splits). One program takes every query head
 of one KV-head group as the rows of a single `[group, head_dim]` tile, so each K/V page is
@@ -51,13 +55,14 @@ def next_power_of_2(n: int) -> int:
 
 
 def check_pool(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array) -> int:
-    """Check q against one layer's pages and return the query heads per KV head."""
+    """Check q against the pages (one layer's, or every layer's) and return the query heads
+    per KV head."""
     if q.ndim != 3:
         raise ValueError(f"q must be [tokens, num_heads, head_dim], got shape {q.shape}")
-    if k_pages.ndim != 4:
+    if k_pages.ndim not in (4, 5):
         raise ValueError(
-            f"k_pages must be [num_kv_heads, num_pages, page_size, head_dim], "
-            f"got shape {k_pages.shape}"
+            f"k_pages must be [num_kv_heads, num_pages, page_size, head_dim] (one layer) or "
+            f"[num_layers, num_kv_heads, ...] (every layer), got shape {k_pages.shape}"
         )
     if k_pages.shape != v_pages.shape:
         raise ValueError(f"k_pages has shape {k_pages.shape} but v_pages has shape {v_pages.shape}")
@@ -67,18 +72,39 @@ def check_pool(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array) -> int:
         if not jnp.issubdtype(x.dtype, jnp.floating):
             raise ValueError(f"{name} must be floating point, got {x.dtype}")
     num_heads, head_dim = q.shape[1:]
-    num_kv_heads = k_pages.shape[0]
+    num_kv_heads = k_pages.shape[-4]
     if num_heads % num_kv_heads:
         raise ValueError(
             f"q has {num_heads} heads but k_pages has {num_kv_heads} KV heads: "
             f"{num_heads} is not a multiple of {num_kv_heads}"
         )
-    if head_dim != k_pages.shape[3]:
+    if head_dim != k_pages.shape[-1]:
         raise ValueError(
             f"q has head_dim {head_dim} (shape {q.shape}) but k_pages has head_dim "
-            f"{k_pages.shape[3]} (shape {k_pages.shape})"
+            f"{k_pages.shape[-1]} (shape {k_pages.shape})"
         )
     return num_heads // num_kv_heads
+
+
+def every_layer(
+    k_pages: jax.Array, v_pages: jax.Array, layer: jax.Array | int | None
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The pools as [num_layers, num_kv_heads, ...] and the layer to read as i32[1]."""
+    if k_pages.ndim == 4:
+        if layer is not None:
+            raise ValueError(
+                f"layer is given but k_pages holds one layer (shape {k_pages.shape}): pass "
+                "the whole [num_layers, ...] cache with a layer, or one layer without"
+            )
+        return k_pages[None], v_pages[None], jnp.zeros((1,), jnp.int32)
+    if layer is None:
+        raise ValueError(
+            f"k_pages holds every layer (shape {k_pages.shape}): give the layer to read"
+        )
+    layer = jnp.asarray(layer)
+    if layer.shape not in ((), (1,)) or not jnp.issubdtype(layer.dtype, jnp.integer):
+        raise ValueError(f"layer must be an integer scalar, got {layer.dtype}{list(layer.shape)}")
+    return k_pages, v_pages, layer.astype(jnp.int32).reshape(1)
 
 
 def check_index(name: str, x: jax.Array, expected: tuple[int | None, ...], why: str) -> None:
@@ -116,15 +142,38 @@ def check_gpu_tiles(head_dim: int, page_size: int, pages_per_block: int, rows: i
         raise ValueError(f"pages_per_block is {pages_per_block}: Triton needs a power of two")
 
 
+# Shared memory a program may plan on: H100/H200 give a block 227 KiB, less a margin for
+# Triton's own scratch (A100: 163 KiB; this budget assumes a Hopper).
+SHARED_MEMORY_BUDGET = 200 * 1024
+
+
+def _shared_bytes(rows: int, block_k: int, head_dim: int, itemsize: int, stages: int) -> int:
+    """A pipeline stage holds a K and a V block; the query tile stays resident."""
+    return stages * 2 * block_k * head_dim * itemsize + rows * head_dim * itemsize
+
+
+def fit_pages_per_block(
+    pages_per_block: int, rows: int, page_size: int, head_dim: int, itemsize: int
+) -> int:
+    """`pages_per_block`, halved until one stage of K/V blocks and the query tile fit the
+    shared memory budget (f32 pools at page_size 32 asked 264-320 KiB on an H200 and failed
+    to launch), never below a 16-key block."""
+    while (
+        pages_per_block > 1
+        and (pages_per_block // 2) * page_size >= MIN_TILE
+        and _shared_bytes(rows, pages_per_block * page_size, head_dim, itemsize, 1)
+        > SHARED_MEMORY_BUDGET
+    ):
+        pages_per_block //= 2
+    return pages_per_block
+
+
 def triton_params(rows: int, block_k: int, head_dim: int, itemsize: int) -> pltriton.CompilerParams:
     """Warps and pipeline depth for one program's tiles (a shape rule, not a tuned one)."""
     # a [rows, head_dim] f32 accumulator and a [rows, block_k] score tile live in registers
     num_warps = 4 if rows <= 64 else 8
-    # each pipeline stage holds a K and a V block in shared memory (228 KiB on H100/H200)
-    stage_bytes = 2 * block_k * head_dim * itemsize
-    return pltriton.CompilerParams(
-        num_warps=num_warps, num_stages=2 if 2 * stage_bytes <= 160 * 1024 else 1
-    )
+    fits_two = _shared_bytes(rows, block_k, head_dim, itemsize, 2) <= SHARED_MEMORY_BUDGET
+    return pltriton.CompilerParams(num_warps=num_warps, num_stages=2 if fits_two else 1)
 
 
 def pad_page_table(page_table: jax.Array, pages_per_block: int) -> jax.Array:
@@ -134,8 +183,9 @@ def pad_page_table(page_table: jax.Array, pages_per_block: int) -> jax.Array:
 
 
 def load_kv_block(
-    k_ref: jax.Array,  # [num_pages, page_size, head_dim] one KV head's pool
-    v_ref: jax.Array,  # [num_pages, page_size, head_dim]
+    k_ref: jax.Array,  # [num_layers, num_pages, page_size, head_dim] one KV head's pools
+    v_ref: jax.Array,  # [num_layers, num_pages, page_size, head_dim]
+    layer: jax.Array,  # i32[] the layer to read
     page_table_ref: jax.Array,  # i32[num_seqs, max_pages]
     seq: jax.Array,  # i32[] the sequence's row of the page table
     block: jax.Array,  # i32[] page block index
@@ -143,7 +193,7 @@ def load_kv_block(
     pages_per_block: int,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Gather one block of keys and values, [block_k, head_dim] each, and their positions."""
-    _, page_size, head_dim = k_ref.shape
+    _, _, page_size, head_dim = k_ref.shape
     block_k = pages_per_block * page_size
     first_page = block * pages_per_block
     # one indexer per load: Triton lowers no chained ref views (`ref.at[seq][...]`)
@@ -151,8 +201,8 @@ def load_kv_block(
     # table entries past the sequence's last page may hold anything: read the null page
     live = first_page + jnp.arange(pages_per_block) < pl.cdiv(kv_len, page_size)
     pages = jnp.where(live, pages, NULL_PAGE)
-    k = k_ref[pages].reshape(block_k, head_dim)
-    v = v_ref[pages].reshape(block_k, head_dim)
+    k = k_ref[layer, pages].reshape(block_k, head_dim)
+    v = v_ref[layer, pages].reshape(block_k, head_dim)
     key_pos = block * block_k + jnp.arange(block_k)
     # slots past kv_len are stale or padding; masked scores drop K there, but a NaN in V
     # would survive its zero weight
@@ -182,11 +232,12 @@ def online_softmax_step(
 
 
 def _decode_kernel(
+    layer_ref,  # i32[1] the layer to read
     kv_lens_ref,  # i32[num_seqs]
     page_table_ref,  # i32[num_seqs, max_pages]
     q_ref,  # [rows, head_dim] this KV head's query heads, padded to rows
-    k_ref,  # [num_pages, page_size, head_dim] this KV head's pool
-    v_ref,  # [num_pages, page_size, head_dim]
+    k_ref,  # [num_layers, num_pages, page_size, head_dim] this KV head's pools
+    v_ref,  # [num_layers, num_pages, page_size, head_dim]
     acc_ref,  # f32[rows, head_dim] unnormalised output of this split
     max_ref,  # f32[rows] score max of this split
     sum_ref,  # f32[rows] softmax denominator of this split
@@ -196,7 +247,8 @@ def _decode_kernel(
     blocks_per_split: int,
 ):
     seq, split = pl.program_id(0), pl.program_id(2)
-    block_k = pages_per_block * k_ref.shape[1]
+    block_k = pages_per_block * k_ref.shape[2]
+    layer = layer_ref[0]
     kv_len = kv_lens_ref[seq]
     q = q_ref[...].astype(k_ref.dtype)
     rows, head_dim = q.shape
@@ -205,7 +257,7 @@ def _decode_kernel(
 
     def body(block, carry):
         k, v, key_pos = load_kv_block(
-            k_ref, v_ref, page_table_ref, seq, block, kv_len, pages_per_block
+            k_ref, v_ref, layer, page_table_ref, seq, block, kv_len, pages_per_block
         )
         return online_softmax_step(q, k, v, (key_pos < kv_len)[None, :], carry, scale)
 
@@ -227,6 +279,7 @@ def paged_attention(
     v_pages: jax.Array,
     kv_lens: jax.Array,
     page_table: jax.Array,
+    layer: jax.Array | int | None = None,
     *,
     scale: float,
     pages_per_block: int = 8,
@@ -240,13 +293,16 @@ def paged_attention(
         kv_lens[s] - 1; num_heads is a multiple of num_kv_heads and query head h reads
         KV head h // (num_heads // num_kv_heads).
       k_pages, v_pages: [num_kv_heads, num_pages, page_size, head_dim], one layer's pool,
-        f32 or bf16; page 0 is the null page.
+        f32 or bf16; page 0 is the null page. Or every layer's, [num_layers, ...], with
+        `layer`.
       kv_lens: i32[num_seqs] keys in each sequence's cache, this token's included; 0 for a
         padding row, whose output is zeros. Lengths past max_pages * page_size are clamped.
       page_table: i32[num_seqs, max_pages] each sequence's pages, in order; entries past
         its last page are never read.
+      layer: i32[] the layer of a whole cache to read (None for one layer's pool).
       scale: multiplies q.k, usually head_dim ** -0.5.
-      pages_per_block: pages gathered per step of the softmax loop.
+      pages_per_block: pages gathered per step of the softmax loop (fewer where the blocks
+        would not fit a GPU's shared memory).
       num_kv_splits: programs sharing one sequence's pages (flash-decoding).
       interpret: run the kernel in Pallas' interpreter (any backend, CPU included).
 
@@ -254,12 +310,16 @@ def paged_attention(
       [num_seqs, num_heads, head_dim] in q's dtype, accumulated in f32.
     """
     group = check_pool(q, k_pages, v_pages)
+    k_pages, v_pages, layer = every_layer(k_pages, v_pages, layer)
     num_seqs, num_heads, head_dim = q.shape
-    num_kv_heads, num_pages, page_size, _ = k_pages.shape
+    num_layers, num_kv_heads, num_pages, page_size, _ = k_pages.shape
     check_index("kv_lens", kv_lens, (num_seqs,), f"q has shape {q.shape}")
     check_index("page_table", page_table, (num_seqs, None), f"q has shape {q.shape}")
     check_positive(pages_per_block=pages_per_block, num_kv_splits=num_kv_splits)
     rows = max(MIN_TILE, next_power_of_2(group))
+    pages_per_block = fit_pages_per_block(
+        pages_per_block, rows, page_size, head_dim, k_pages.dtype.itemsize
+    )
     if not interpret:
         check_gpu_tiles(head_dim, page_size, pages_per_block, rows)
     if num_seqs == 0:
@@ -280,12 +340,15 @@ def paged_attention(
         pages_per_block=pages_per_block,
         blocks_per_split=blocks_per_split,
     )
-    pool_spec = pl.BlockSpec((None, num_pages, page_size, head_dim), lambda s, h, j: (h, 0, 0, 0))
+    pool_spec = pl.BlockSpec(
+        (num_layers, None, num_pages, page_size, head_dim), lambda s, h, j: (0, h, 0, 0, 0)
+    )
     split_shape = (num_kv_splits, num_seqs, num_kv_heads, rows)
     acc, row_max, row_sum = pl.pallas_call(
         kernel,
         grid=(num_seqs, num_kv_heads, num_kv_splits),
         in_specs=[
+            pl.BlockSpec((1,), lambda s, h, j: (0,)),
             pl.BlockSpec((num_seqs,), lambda s, h, j: (0,)),
             pl.BlockSpec(page_table.shape, lambda s, h, j: (0, 0)),
             pl.BlockSpec((None, None, rows, head_dim), lambda s, h, j: (s, h, 0, 0)),
@@ -307,7 +370,7 @@ def paged_attention(
         ),
         interpret=interpret,
         name="paged_attention",
-    )(kv_lens, page_table, qg, k_pages, v_pages)
+    )(layer, kv_lens, page_table, qg, k_pages, v_pages)
 
     # merge the splits' partial softmaxes; a split that saw no key has row_sum 0
     weight = jnp.exp(row_max - row_max.max(axis=0))

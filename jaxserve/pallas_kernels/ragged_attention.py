@@ -58,14 +58,15 @@ def schedule_q_blocks(
 
 
 def _ragged_kernel(
+    layer_ref,  # i32[1] the layer to read
     block_rows_ref,  # i32[num_programs] row of each q-block
     block_starts_ref,  # i32[num_programs] first token of each q-block
     cu_q_lens_ref,  # i32[num_rows + 1]
     kv_lens_ref,  # i32[num_rows]
     page_table_ref,  # i32[num_rows, max_pages]
     q_ref,  # [num_tokens, group, head_dim] this KV head's query heads
-    k_ref,  # [num_pages, page_size, head_dim] this KV head's pool
-    v_ref,  # [num_pages, page_size, head_dim]
+    k_ref,  # [num_layers, num_pages, page_size, head_dim] this KV head's pools
+    v_ref,  # [num_layers, num_pages, page_size, head_dim]
     o_ref,  # [num_tokens, group, head_dim]
     *,
     scale: float,
@@ -79,7 +80,8 @@ def _ragged_kernel(
     kv_len = kv_lens_ref[row]
     _, group, head_dim = q_ref.shape
     rows = block_q * group
-    block_k = pages_per_block * k_ref.shape[1]
+    block_k = pages_per_block * k_ref.shape[2]
+    layer = layer_ref[0]
 
     num_q = q_end - q_start  # the row's tokens from q_start on; > block_q but in its last block
     token_live = jnp.arange(block_q) < num_q
@@ -95,7 +97,7 @@ def _ragged_kernel(
 
     def body(block, carry):
         k, v, key_pos = paged.load_kv_block(
-            k_ref, v_ref, page_table_ref, row, block, kv_len, pages_per_block
+            k_ref, v_ref, layer, page_table_ref, row, block, kv_len, pages_per_block
         )
         visible = key_pos[None, :] <= query_pos[:, None]
         return paged.online_softmax_step(q, k, v, visible, carry, scale)
@@ -127,6 +129,7 @@ def ragged_paged_attention(
     cu_q_lens: jax.Array,
     kv_lens: jax.Array,
     page_table: jax.Array,
+    layer: jax.Array | int | None = None,
     *,
     scale: float,
     block_q: int = 16,
@@ -139,16 +142,19 @@ def ragged_paged_attention(
       q: f32[num_tokens, num_heads, head_dim] (or bf16/f16); num_heads is a multiple of
         num_kv_heads and query head h reads KV head h // (num_heads // num_kv_heads).
       k_pages, v_pages: [num_kv_heads, num_pages, page_size, head_dim], one layer's pool,
-        f32 or bf16; page 0 is the null page.
+        f32 or bf16; page 0 is the null page. Or every layer's, [num_layers, ...], with
+        `layer` (what a model should pass: see paged_attention.py).
       cu_q_lens: i32[num_rows + 1] non-decreasing, cu_q_lens[0] = 0: row r's tokens are
         q[cu_q_lens[r]:cu_q_lens[r + 1]]; tokens from cu_q_lens[-1] on are padding.
       kv_lens: i32[num_rows] keys in each row's cache after this step, its tokens included
         (so kv_lens[r] >= its q_len); lengths past max_pages * page_size are clamped.
       page_table: i32[num_rows, max_pages] each row's pages, in order; entries past its
         last page are never read.
+      layer: i32[] the layer of a whole cache to read (None for one layer's pool).
       scale: multiplies q.k, usually head_dim ** -0.5.
       block_q: tokens of one row per program.
-      pages_per_block: pages gathered per step of the softmax loop.
+      pages_per_block: pages gathered per step of the softmax loop (fewer where the blocks
+        would not fit a GPU's shared memory).
       interpret: run the kernel in Pallas' interpreter (any backend, CPU included).
 
     Returns:
@@ -156,8 +162,9 @@ def ragged_paged_attention(
       tokens.
     """
     group = paged.check_pool(q, k_pages, v_pages)
+    k_pages, v_pages, layer = paged.every_layer(k_pages, v_pages, layer)
     num_tokens, num_heads, head_dim = q.shape
-    num_kv_heads, num_pages, page_size, _ = k_pages.shape
+    num_layers, num_kv_heads, num_pages, page_size, _ = k_pages.shape
     paged.check_index("kv_lens", kv_lens, (None,), "it must be one length per row")
     num_rows = kv_lens.shape[0]
     if num_rows == 0:
@@ -167,6 +174,9 @@ def ragged_paged_attention(
     paged.check_index("page_table", page_table, (num_rows, None), why)
     paged.check_positive(block_q=block_q, pages_per_block=pages_per_block)
     group_rows = paged.next_power_of_2(group)
+    pages_per_block = paged.fit_pages_per_block(
+        pages_per_block, block_q * group_rows, page_size, head_dim, k_pages.dtype.itemsize
+    )
     if not interpret:
         paged.check_gpu_tiles(head_dim, page_size, pages_per_block, block_q * group_rows)
     if num_tokens == 0:
@@ -185,13 +195,16 @@ def ragged_paged_attention(
     kernel = functools.partial(
         _ragged_kernel, scale=scale, block_q=block_q, pages_per_block=pages_per_block
     )
-    pool_spec = pl.BlockSpec((None, num_pages, page_size, head_dim), lambda i, h: (h, 0, 0, 0))
+    pool_spec = pl.BlockSpec(
+        (num_layers, None, num_pages, page_size, head_dim), lambda i, h: (0, h, 0, 0, 0)
+    )
     head_spec = pl.BlockSpec((num_tokens, None, group_rows, head_dim), lambda i, h: (0, h, 0, 0))
     out = pl.pallas_call(
         kernel,
         grid=(block_rows.shape[0], num_kv_heads),
         in_specs=[
-            *(_whole(x.shape) for x in (block_rows, block_starts, cu_q_lens, kv_lens, page_table)),
+            *(_whole(x.shape)
+              for x in (layer, block_rows, block_starts, cu_q_lens, kv_lens, page_table)),
             head_spec,
             pool_spec,
             pool_spec,
@@ -203,7 +216,7 @@ def ragged_paged_attention(
         ),
         interpret=interpret,
         name="ragged_paged_attention",
-    )(block_rows, block_starts, cu_q_lens, kv_lens, page_table, qg, k_pages, v_pages)
+    )(layer, block_rows, block_starts, cu_q_lens, kv_lens, page_table, qg, k_pages, v_pages)
 
     out = out[:, :, :group].reshape(num_tokens, num_heads, head_dim)
     # padding tokens belong to no q-block, so the kernel never wrote them

@@ -34,11 +34,16 @@ def ragged_paged_attention_reference(
     v = v_pages[:, pages].reshape(num_kv_heads, num_tokens, context, head_dim)
     qg = q.reshape(num_tokens, num_kv_heads, group, head_dim)
     acc = jnp.promote_types(q.dtype, jnp.float32)
-    scores = jnp.einsum("tkgd,ktcd->tkgc", qg, k, preferred_element_type=acc) * scale
+    # HIGHEST: on a GPU the default would round f32 operands to TF32
+    scores = jnp.einsum(
+        "tkgd,ktcd->tkgc", qg, k, preferred_element_type=acc, precision=jax.lax.Precision.HIGHEST
+    ) * scale
     visible = jnp.arange(context)[None, :] <= positions[:, None]  # [T, C]
     scores = jnp.where(visible[:, None, None, :], scores, -jnp.inf)
     probs = jax.nn.softmax(scores, axis=-1)
-    out = jnp.einsum("tkgc,ktcd->tkgd", probs.astype(v.dtype), v)
+    out = jnp.einsum(
+        "tkgc,ktcd->tkgd", probs.astype(v.dtype), v, precision=jax.lax.Precision.HIGHEST
+    )
     return out.reshape(num_tokens, num_heads, head_dim)
 
 

@@ -1,0 +1,45 @@
+"""The bucket table: the default powers of two, a table given by `--buckets`, and its checks."""
+
+import subprocess
+import sys
+
+import pytest
+
+from jaxserve.buckets import BucketTable
+from jaxserve.config import EngineConfig
+
+
+def test_parse_and_choose():
+    table = BucketTable.parse("1,8,64:1,8")
+    assert (table.token_sizes, table.seq_sizes) == ((1, 8, 64), (1, 8))
+    assert table.buckets() == [(1, 1), (8, 1), (64, 1), (8, 8), (64, 8)]
+    assert table.choose(3, 2) == (8, 8)
+    assert table.choose(9, 1) == (64, 1)
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [("1,8,64", "TOKEN_SIZES:ROW_SIZES"), ("1,x:1", "TOKEN_SIZES:ROW_SIZES"),
+     ("8,1:1", "token_sizes must be increasing"), ("1,8:0,4", "seq_sizes must be increasing"),
+     (":1", "TOKEN_SIZES:ROW_SIZES")],
+)
+def test_parse_rejects(spec, message):
+    with pytest.raises(ValueError, match=message):
+        BucketTable.parse(spec)
+
+
+def test_a_given_table_must_hold_a_full_step():
+    EngineConfig(max_batch=8, token_budget=64, buckets=((1, 8, 64), (1, 8)))
+    with pytest.raises(ValueError, match=r"largest bucket \(64 tokens, 8 rows\) must hold"):
+        EngineConfig(max_batch=16, token_budget=64, buckets=((1, 8, 64), (1, 8)))
+    with pytest.raises(ValueError, match="token_budget 128"):
+        EngineConfig(max_batch=8, token_budget=128, buckets=((1, 8, 64), (1, 8)))
+
+
+def test_serve_refuses_a_table_that_cannot_hold_a_step():
+    done = subprocess.run(
+        [sys.executable, "-m", "jaxserve.cli", "serve", "--max-batch", "16", "--buckets",
+         "1,4:1,2"], capture_output=True, text=True, timeout=120,
+    )
+    assert done.returncode == 2
+    assert "must hold a full step: token_budget 256, max_batch 16" in done.stderr
