@@ -56,14 +56,16 @@ class Profile:
     loads: tuple[tuple[int, int], ...]  # (concurrency, requests)
     prompt_tokens: int
     output_tokens: int
-    start_timeout_s: float
+    start_timeout_s: float  # under the suite's limit, so a slow start is reported, not killed
 
 
 PROFILES = {
-    # 35 power-of-two buckets took over 100 s to compile on an H200
-    "gpu": Profile(64, 64, "1,4,16,64:1,4,16,64", 32, ((1, 8), (64, 128)), 128, 64, 110.0),
-    "reduced": Profile(4, 16, "1,4,16:1,4", 32, ((1, 2), (4, 8)), 32, 16, 110.0),
-    "dry": Profile(2, 8, "1,8:1,2", 4, ((1, 1), (2, 2)), 8, 4, 110.0),
+    # On an H200 each f32 bucket took ~7 s to build (ptxas on the f32 attention kernel):
+    # 35 power-of-two buckets, or 14 from 1,4,16,64, did not finish in 100 s. Three (and two
+    # prompt-logprob passes) serve decodes alone and everything else padded to 64.
+    "gpu": Profile(64, 64, "1,64:1,64", 32, ((1, 8), (64, 128)), 128, 64, 125.0),
+    "reduced": Profile(4, 16, "1,4,16:1,4", 32, ((1, 2), (4, 8)), 32, 16, 125.0),
+    "dry": Profile(2, 8, "1,8:1,2", 4, ((1, 1), (2, 2)), 8, 4, 125.0),
 }
 
 
