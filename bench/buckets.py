@@ -148,11 +148,13 @@ def replay(
         uses[out.bucket] += 1
         real_tokens += out.num_tokens
         real_rows += len(out.chunks)
-        scheduler.update(out, {c.seq.request_id: 1 for c in out.chunks if c.samples})
-        for chunk in out.chunks:
-            seq = chunk.seq
-            if seq.num_generated >= seq.request.params.max_tokens:
-                scheduler.finish(seq.request_id)
+        for chunk in out.chunks:  # what the engine's post-processing does, with token 1
+            request = scheduler.running[chunk.request_id]
+            if chunk.samples:
+                request.append(1)
+            scheduler.advance(request, chunk, int(chunk.samples))
+            if request.finished:
+                scheduler.finish(request.request_id)
     padded_tokens = sum(t * n for (t, _), n in uses.items())
     padded_rows = sum(s * n for (_, s), n in uses.items())
     return {

@@ -1,38 +1,19 @@
-"""Pack sequences' work for one step into the flat, padded host arrays the step takes.
+"""Pack a step plan's chunks into the flat, padded host arrays the step takes.
 
-Prefill, chunked prefill and decode are one case here: each sequence brings a
-chunk of tokens starting at some position, and its pages must already cover
-them. Padding tokens and rows point at the null page.
+Prefill, chunked prefill and decode are one case here: each row brings a chunk of
+tokens starting at some position, and its pages must already cover them. Padding
+tokens and rows point at the null page.
 """
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import numpy as np
 
 from jaxserve.attention import AttentionMetadata
-from jaxserve.config import SamplingParams
 from jaxserve.page_allocator import NULL_PAGE
+from jaxserve.plan import Chunk
 from jaxserve.sampling import SamplingTensors
 from jaxserve.step import StepInputs
-
-GREEDY = SamplingParams(temperature=0.0)
-
-
-@dataclass(frozen=True, slots=True)
-class Chunk:
-    """One sequence's tokens to compute this step, and how to sample after them."""
-
-    token_ids: Sequence[int]
-    start: int  # position of token_ids[0] in the sequence
-    pages: Sequence[int]  # the sequence's pages, covering start + len(token_ids)
-    params: SamplingParams = GREEDY
-    seed: int = 0
-    num_generated: int = 0
-    slot: int | None = None  # penalty slot; None: the spare slot
-    is_prompt: bool = True  # the tokens are prompt tokens (not yet counted as output)
-    samples: bool = True  # the chunk ends at the sequence's last token
-    first: bool = True  # the sequence's first chunk: its penalty slot starts clean
 
 
 def pack_step(
@@ -65,27 +46,27 @@ def pack_step(
     logits_indices = np.zeros(num_seqs, np.int32)
     prompt_slots = np.full(num_tokens, spare_slot, np.int32)
     offset = 0
-    for row, chunk in enumerate(chunks):
+    for i, chunk in enumerate(chunks):
         n = len(chunk.token_ids)
         span = slice(offset, offset + n)
         pos = np.arange(chunk.start, chunk.start + n, dtype=np.int32)
         pages = np.asarray(chunk.pages, np.int32)
         if len(pages) > max_pages or (chunk.start + n + page_size - 1) // page_size > len(pages):
             raise ValueError(
-                f"row {row}: {len(pages)} pages do not cover positions up to "
+                f"row {i}: {len(pages)} pages do not cover positions up to "
                 f"{chunk.start + n} (page_size {page_size}, max_pages {max_pages})"
             )
         token_ids[span] = chunk.token_ids
         positions[span] = pos
-        seq_ids[span] = row
+        seq_ids[span] = i
         slot_mapping[span] = pages[pos // page_size] * page_size + pos % page_size
-        page_table[row, : len(pages)] = pages
-        if chunk.is_prompt and chunk.slot is not None:
-            prompt_slots[span] = chunk.slot
-        logits_indices[row] = offset + n - 1
-        kv_lens[row] = chunk.start + n
+        page_table[i, : len(pages)] = pages
+        if chunk.is_prompt and chunk.row is not None:
+            prompt_slots[span] = chunk.row
+        logits_indices[i] = offset + n - 1
+        kv_lens[i] = chunk.start + n
         offset += n
-        cu_q_lens[row + 1 :] = offset
+        cu_q_lens[i + 1 :] = offset
     padding = [Chunk((), 1, (), samples=False)] * (num_seqs - len(chunks))
     rows = list(chunks) + padding
     sampling = SamplingTensors(
@@ -99,9 +80,9 @@ def pack_step(
         repetition_penalty=np.array([c.params.repetition_penalty for c in rows], np.float32),
         seeds=np.array([c.seed for c in rows], np.uint32),
         counters=np.array([c.num_generated for c in rows], np.int32),
-        slots=np.array([spare_slot if c.slot is None else c.slot for c in rows], np.int32),
-        first_chunk=np.array([c.first and c.slot is not None for c in rows], bool),
-        samples=np.array([c.samples and c.slot is not None for c in rows], bool),
+        slots=np.array([spare_slot if c.row is None else c.row for c in rows], np.int32),
+        first_chunk=np.array([c.first and c.row is not None for c in rows], bool),
+        samples=np.array([c.samples and c.row is not None for c in rows], bool),
         prompt_slots=prompt_slots,
         logprobs=np.array(
             [-1 if c.params.logprobs is None else c.params.logprobs for c in rows], np.int32

@@ -1,8 +1,16 @@
 """The engine loop: schedule → run the step → post-process → emit, on its own thread.
 
 The engine holds no device state itself: a runner (the jitted model, or a fake
-in tests) turns a SchedulerOutput into sampled tokens. The loop never waits on a
-consumer: a request whose output buffer is full is cancelled, alone.
+in tests) turns a step plan into accepted tokens. Post-processing walks the plan's
+rows once: each accepted token is appended to its request record (which decides
+whether it stops), the record's computed count advances, its output is pushed, and a
+finished request is freed. The loop never waits on a consumer: a request whose
+output buffer is full is cancelled, alone.
+
+Speculative decoding has its path here: a `Proposer`, if given, drafts tokens for each
+decoding request after every step; the scheduler plans them after the request's last
+token and the runner returns the ones the model accepts. No proposer ships yet, and the
+model runner refuses drafts; tests drive the path with a scripted runner.
 """
 
 import asyncio
@@ -12,14 +20,15 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
 from jaxserve.config import SamplingParams
+from jaxserve.output_text import OutputText
+from jaxserve.plan import StepPlan
 from jaxserve.request import Request
-from jaxserve.results import StepResults
-from jaxserve.scheduler import Scheduler, SchedulerOutput
-from jaxserve.sequence import Sequence as SequenceState
+from jaxserve.results import StepOutput
+from jaxserve.scheduler import Scheduler
 from jaxserve.stream import OutputStream, RequestOutput, notify
 from jaxserve.tokenizer import Tokenizer
 
@@ -29,20 +38,13 @@ RATE_WINDOW_S = 30.0  # window of the measured admission rate (Little's law, Ret
 
 
 class Runner(Protocol):
-    def execute(self, out: SchedulerOutput) -> StepResults:
-        """Per chunk of `out`, in order: its sampled token (ignored where it samples none)."""
+    def execute(self, plan: StepPlan) -> StepOutput:
+        """Per chunk of `plan`, in order: the tokens it accepted (none if it samples none)."""
 
 
-@dataclass
-class _Live:
-    request: Request
-    state: SequenceState
-    stream: OutputStream
-    admitted_time: float | None = None
-    # prompt logprobs gathered chunk by chunk (requests asking for them); the first
-    # prompt token has none
-    prompt_logprobs: list[float | None] = field(default_factory=lambda: [None])
-    prompt_top_logprobs: list[dict[int, float] | None] = field(default_factory=lambda: [None])
+class Proposer(Protocol):
+    def propose(self, request: Request) -> tuple[int, ...]:
+        """Draft tokens to follow `request`'s last token (empty: none this step)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,8 +70,9 @@ class Engine:
         tokenizer: Tokenizer,
         eos_token_ids: tuple[int, ...],
         stream_capacity: int = 64,
-        on_step: Callable[[SchedulerOutput, float], None] | None = None,
+        on_step: Callable[[StepPlan, float], None] | None = None,
         debug_checks: bool = False,
+        proposer: Proposer | None = None,
     ):
         self.runner = runner
         self.scheduler = scheduler
@@ -78,7 +81,8 @@ class Engine:
         self.stream_capacity = stream_capacity
         self.on_step = on_step
         self.debug_checks = debug_checks
-        self.live: dict[str, _Live] = {}
+        self.proposer = proposer
+        self.requests: dict[str, Request] = {}  # submitted and not yet finished
         self._inbox: list[Request] = []
         self._cancels: set[str] = set()
         self._lock = threading.Lock()
@@ -123,13 +127,13 @@ class Engine:
             cache_salt,
         )
         self.scheduler.check(request)
-        stream = OutputStream(request_id, self.stream_capacity, loop, lazy)
-        state = SequenceState(list(prompt_ids), params, self.tokenizer, self.eos_token_ids)
+        request.stream = OutputStream(request_id, self.stream_capacity, loop, lazy)
+        request.output = OutputText(prompt_ids, params, self.tokenizer, self.eos_token_ids)
         with self._lock:
-            self.live[request_id] = _Live(request, state, stream)
+            self.requests[request_id] = request
             self._inbox.append(request)
         self._wake.set()
-        return stream
+        return request.stream
 
     def cancel(self, request_id: str) -> None:
         """Stop a request; its pages are freed by the next iteration."""
@@ -142,32 +146,42 @@ class Engine:
     def has_work(self) -> bool:
         return bool(self.scheduler.running or self.scheduler.waiting or self._inbox)
 
-    def step(self) -> SchedulerOutput:
-        """One iteration: take in new and cancelled requests, schedule, run, emit."""
+    def step(self) -> StepPlan:
+        """One iteration: take in new and cancelled requests, schedule, run, post-process."""
         self._take_inbox()
-        out = self.scheduler.schedule()
+        plan = self.scheduler.schedule()
         now = time.monotonic()
-        for request_id in out.admitted:
-            self.live[request_id].admitted_time = now
+        for request_id in plan.admitted:
+            self.requests[request_id].admitted_time = now
             self._admissions.append(now)
-        if not out.chunks:
-            return out
+        if not plan.chunks:
+            return plan
         start = time.perf_counter()
-        results = self.runner.execute(out)
-        sampled = {
-            c.seq.request_id: row for row, c in enumerate(out.chunks) if c.samples
-        }
-        for request_id, rows in results.prompt_logprobs.items():
-            self._gather_prompt_logprobs(request_id, rows)
-        self.scheduler.update(
-            out, {rid: int(results.tokens[row]) for rid, row in sampled.items()}
-        )
-        notify([self._emit(request_id, results, row) for request_id, row in sampled.items()])
+        output = self.runner.execute(plan)
+        self._postprocess(plan, output)
         if self.debug_checks:
             self.scheduler.check_invariants()
         if self.on_step is not None:
-            self.on_step(out, time.perf_counter() - start)
-        return out
+            self.on_step(plan, time.perf_counter() - start)
+        return plan
+
+    def _postprocess(self, plan: StepPlan, output: StepOutput) -> None:
+        """Each row once: append its accepted tokens, advance, emit, free if finished."""
+        for request_id, scores in output.prompt_logprobs.items():
+            self._gather_prompt_logprobs(self.requests[request_id], scores)
+        streams = []
+        for row, chunk in enumerate(plan.chunks):
+            request = self.requests[chunk.request_id]
+            accepted = output.accepted(row)
+            appended = self._emit(request, output, row, accepted) if accepted else 0
+            self.scheduler.advance(request, chunk, appended)
+            if accepted:
+                streams.append(request.stream)
+            if request.finished:
+                self._free(request)
+            elif self.proposer is not None and not request.in_prefill:
+                request.spec_token_ids = self.proposer.propose(request)
+        notify(streams)
 
     def _take_inbox(self) -> None:
         with self._lock:
@@ -176,61 +190,78 @@ class Engine:
         for request in inbox:
             self.scheduler.add(request)
         for request_id in cancels:
-            self._finish(request_id, "abort")
+            self._stop(request_id, "abort")
 
-    def _gather_prompt_logprobs(self, request_id: str, rows: StepResults) -> None:
-        live = self.live[request_id]
-        n = live.request.params.prompt_logprobs
-        room = len(live.request.prompt_ids) - len(live.prompt_logprobs)  # the last has none
-        for i in range(min(room, len(rows.tokens))):
-            live.prompt_logprobs.append(float(rows.logprobs[i]))
-            ids, values = rows.top_ids[i, :n], rows.top_logprobs[i, :n]
-            live.prompt_top_logprobs.append({int(t): float(v) for t, v in zip(ids, values)})
+    @staticmethod
+    def _gather_prompt_logprobs(request: Request, scores: StepOutput) -> None:
+        n = request.params.prompt_logprobs
+        room = len(request.prompt_ids) - len(request.prompt_logprobs)  # the last has none
+        for i in range(min(room, len(scores.tokens))):
+            request.prompt_logprobs.append(float(scores.logprobs[i, 0]))
+            ids, values = scores.top_ids[i, 0, :n], scores.top_logprobs[i, 0, :n]
+            request.prompt_top_logprobs.append({int(t): float(v) for t, v in zip(ids, values)})
 
-    def _emit(self, request_id: str, results: StepResults, row: int) -> OutputStream:
-        """Push the row's output to its stream without waking the consumer (the caller
-        does, for every stream at once); the stream is returned for that."""
-        live = self.live[request_id]
-        token = int(results.tokens[row])
-        first = not live.state.output_ids
-        text = live.state.append(token)
+    def _emit(
+        self, request: Request, output: StepOutput, row: int, accepted: list[int]
+    ) -> int:
+        """Append the row's accepted tokens to `request` until one stops it, and push what
+        they produced to its stream without waking the consumer (the caller does, for
+        every stream at once). Returns how many tokens were appended."""
+        first = request.num_generated == 0
+        tokens, texts = [], []
+        for token in accepted:
+            tokens.append(token)
+            texts.append(request.append(token))
+            if request.finished:
+                break
         logprobs = top = None
-        prompt = live.request.params.prompt_logprobs is not None
-        n = live.request.params.logprobs
+        n = request.params.logprobs
         if n is not None:
-            logprobs = (float(results.logprobs[row]),)
-            ids, values = results.top_ids[row, :n], results.top_logprobs[row, :n]
-            top = ({int(i): float(v) for i, v in zip(ids, values)},)
-        output = RequestOutput(
-            request_id,
-            (token,),
-            text,
-            live.state.finish_reason,
-            len(live.request.prompt_ids),
+            k = len(tokens)
+            logprobs = tuple(float(x) for x in output.logprobs[row, :k])
+            top = tuple(
+                {int(i): float(v) for i, v in zip(ids[:n], values[:n])}
+                for ids, values in zip(output.top_ids[row, :k], output.top_logprobs[row, :k])
+            )
+        prompt = first and request.params.prompt_logprobs is not None
+        result = RequestOutput(
+            request.request_id,
+            tuple(tokens),
+            "".join(texts),
+            request.finish_reason,
+            len(request.prompt_ids),
             logprobs,
             top,
-            queue_seconds=live.admitted_time - live.request.arrival_time if first else None,
-            prompt_logprobs=tuple(live.prompt_logprobs) if first and prompt else None,
-            prompt_top_logprobs=tuple(live.prompt_top_logprobs) if first and prompt else None,
+            queue_seconds=request.admitted_time - request.arrival_time if first else None,
+            prompt_logprobs=tuple(request.prompt_logprobs) if prompt else None,
+            prompt_top_logprobs=tuple(request.prompt_top_logprobs) if prompt else None,
         )
-        if not live.stream.push(output, force=output.finished, wake=False):
-            log.warning("output buffer of %s is full: cancelling it", request_id)
-            self._finish(request_id, "abort")
-        elif output.finished:
-            self._finish(request_id, None)
-        return live.stream
+        if not request.stream.push(result, force=result.finished, wake=False):
+            log.warning("output buffer of %s is full: cancelling it", request.request_id)
+            request.finish_reason = "abort"
+            self._tell(request)
+        return len(tokens)
 
-    def _finish(self, request_id: str, reason: str | None) -> None:
-        """Free the request's pages; with a reason, tell its consumer it was stopped."""
-        live = self.live.pop(request_id, None)
-        if live is None:
+    def _stop(self, request_id: str, reason: str) -> None:
+        """End a request that did not finish by itself: free it, tell its consumer."""
+        request = self.requests.get(request_id)
+        if request is None or request.finished:
             return
-        self.scheduler.finish(request_id)
-        if reason is not None:
-            live.stream.push(
-                RequestOutput(request_id, (), "", reason, len(live.request.prompt_ids)),
-                force=True,
-            )
+        request.finish_reason = reason
+        self._free(request)
+        self._tell(request)
+
+    def _free(self, request: Request) -> None:
+        """Free a finished request's row and pages (once: it leaves `requests`)."""
+        if self.requests.pop(request.request_id, None) is not None:
+            self.scheduler.finish(request.request_id)
+
+    @staticmethod
+    def _tell(request: Request) -> None:
+        """A final, empty output carrying the reason a request was stopped."""
+        final = RequestOutput(request.request_id, (), "", request.finish_reason,
+                              len(request.prompt_ids))
+        request.stream.push(final, force=True)
 
     # ---------------------------------------------------------------- for operators
 
@@ -250,23 +281,13 @@ class Engine:
 
     def live_requests(self) -> list[LiveRequest]:
         now = time.monotonic()
-        running = self.scheduler.running
-        rows = []
-        for request_id, live in list(self.live.items()):
-            seq = running.get(request_id)
-            phase = "queued" if seq is None else "prefill" if seq.in_prefill else "decode"
-            rows.append(
-                LiveRequest(
-                    request_id,
-                    live.request.tenant,
-                    live.request.priority,
-                    phase,
-                    len(seq.pages) if seq else 0,
-                    len(live.state.output_ids),
-                    now - live.request.arrival_time,
-                )
+        return [
+            LiveRequest(
+                r.request_id, r.tenant, r.priority, r.phase, len(r.pages), r.num_generated,
+                now - r.arrival_time,
             )
-        return rows
+            for r in list(self.requests.values())
+        ]
 
     def oldest_waiting_age(self) -> float:
         """Seconds the longest-waiting queued request has waited (0 when none waits)."""
@@ -297,5 +318,5 @@ class Engine:
                 self.step()
             except Exception:
                 log.exception("engine step failed: failing every live request")
-                for request_id in list(self.live):
-                    self._finish(request_id, "error")
+                for request_id in list(self.requests):
+                    self._stop(request_id, "error")

@@ -1,11 +1,20 @@
-"""What a client asked for, as the engine and scheduler see it (no jax)."""
+"""One record per request, from submission to its end (no jax).
 
-from dataclasses import dataclass
+What the client asked for, where the request runs (its shard, batch row and pages), how
+far its KV has been computed, the tokens it holds and the text released to its client:
+one mutable record that the scheduler owns. The engine appends each sampled token once
+(`append`, which also decides whether to stop), and the scheduler frees its pages once.
+The step plan handed to the device side is plain data copied from it (`plan.Chunk`).
+"""
+
+from dataclasses import dataclass, field
 
 from jaxserve.config import SamplingParams
+from jaxserve.output_text import OutputText
+from jaxserve.stream import OutputStream
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(eq=False)
 class Request:
     """One prompt to complete; `seed` is always set (drawn at submission if not given)."""
 
@@ -17,10 +26,68 @@ class Request:
     tenant: str = "default"
     priority: int = 0  # lower runs first (0 = interactive, 1 = batch)
     cache_salt: str = ""  # prefix-cache key space: the tenant when tenants are isolated
+    # where it runs, from admission on (the scheduler's)
+    shard: int = 0  # the data shard holding its pages and its row
+    row: int | None = None  # its batch row (indexes per-row device state); None: waiting
+    pages: tuple[int, ...] = ()  # reserved at admission for its maximum length
+    num_computed: int = 0  # tokens whose K/V are in the cache
+    num_cached_tokens: int = 0  # prompt tokens reused from the prefix cache
+    num_registered_pages: int = 0  # leading full pages recorded as cached content
+    token_ids: list[int] = field(init=False)  # the prompt, then every token generated
+    spec_token_ids: tuple[int, ...] = ()  # draft tokens for the next step to verify
+    # its client's side (the engine's)
+    output: OutputText | None = None  # released text and the stop decision
+    stream: OutputStream | None = None
+    admitted_time: float | None = None
+    finish_reason: str | None = None  # "stop", "length", "abort" or "error"
+    # prompt logprobs gathered chunk by chunk (requests asking for them); the first
+    # prompt token has none
+    prompt_logprobs: list[float | None] = field(default_factory=lambda: [None])
+    prompt_top_logprobs: list[dict[int, float] | None] = field(default_factory=lambda: [None])
+
+    def __post_init__(self) -> None:
+        self.token_ids = list(self.prompt_ids)
 
     @property
     def max_total_tokens(self) -> int:
         return len(self.prompt_ids) + self.params.max_tokens
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.token_ids) - len(self.prompt_ids)
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[len(self.prompt_ids) :]
+
+    @property
+    def in_prefill(self) -> bool:
+        return self.num_computed < len(self.prompt_ids)
+
+    @property
+    def phase(self) -> str:
+        """queued, prefill, decode or finished."""
+        if self.finish_reason is not None:
+            return "finished"
+        if self.row is None:
+            return "queued"
+        return "prefill" if self.in_prefill else "decode"
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def append(self, token_id: int) -> str:
+        """Take one generated token; return the text it releases to the client. Sets
+        `finish_reason` when the token ends the request (EOS, a stop, max_tokens)."""
+        self.token_ids.append(token_id)
+        if self.output is None:  # no client text (scheduler tests): max_tokens alone stops
+            if self.num_generated >= self.params.max_tokens:
+                self.finish_reason = "length"
+            return ""
+        text = self.output.append(token_id)
+        self.finish_reason = self.output.finish_reason
+        return text
 
 
 class RequestRejected(ValueError):

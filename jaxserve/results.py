@@ -1,4 +1,10 @@
-"""The step's results as the host reads them (no jax): one array, unpacked once per step."""
+"""What a step returns to the host (no jax): per row, the tokens it accepted and their
+logprobs, unpacked once per step from the step's one results array.
+
+A row accepts nothing (a prefill chunk that does not reach its last token), one token
+(the one sampled after its last token), or, with draft tokens, the drafts the model
+agrees with and the token sampled after the last of them: up to k = 1 + drafts.
+"""
 
 from dataclasses import dataclass, field
 
@@ -6,29 +12,39 @@ import numpy as np
 
 from jaxserve.config import MAX_LOGPROBS
 
-# columns: token, its logprob, MAX_LOGPROBS alternative ids, their logprobs
+# columns of the step's results array: token, its logprob, MAX_LOGPROBS alternative ids,
+# their logprobs
 RESULT_WIDTH = 2 + 2 * MAX_LOGPROBS
 
 
 @dataclass(frozen=True, slots=True)
-class StepResults:
-    """Per row: the sampled token, its log-probability and the most likely alternatives."""
+class StepOutput:
+    """Per row, its accepted tokens (the first num_accepted[row] of tokens[row]), each with
+    its log-probability and the most likely alternatives."""
 
-    tokens: np.ndarray  # i32[num_seqs]
-    logprobs: np.ndarray  # f32[num_seqs]
-    top_ids: np.ndarray  # i32[num_seqs, MAX_LOGPROBS]
-    top_logprobs: np.ndarray  # f32[num_seqs, MAX_LOGPROBS]
+    tokens: np.ndarray  # i32[num_rows, k]
+    num_accepted: np.ndarray  # i32[num_rows]
+    logprobs: np.ndarray  # f32[num_rows, k]
+    top_ids: np.ndarray  # i32[num_rows, k, MAX_LOGPROBS]
+    top_logprobs: np.ndarray  # f32[num_rows, k, MAX_LOGPROBS]
     # request id -> one row per token of its prompt chunk this step: the prompt token
     # that follows it and that token's logprob (for requests asking prompt logprobs)
-    prompt_logprobs: dict[str, "StepResults"] = field(default_factory=dict)
+    prompt_logprobs: dict[str, "StepOutput"] = field(default_factory=dict)
+
+    def accepted(self, row: int) -> list[int]:
+        return self.tokens[row, : self.num_accepted[row]].tolist()
 
     @staticmethod
-    def unpack(results: np.ndarray) -> "StepResults":
-        """Split the step's f32[num_seqs, RESULT_WIDTH] array (ids are exact in f32)."""
+    def unpack(results: np.ndarray, samples: np.ndarray | None = None) -> "StepOutput":
+        """One token a row from the step's f32[num_rows, RESULT_WIDTH] array (ids are exact
+        in f32); `samples` (bool[num_rows]) says which rows accepted theirs (default all)."""
         n = MAX_LOGPROBS
-        return StepResults(
-            results[:, 0].astype(np.int32),
-            results[:, 1],
-            results[:, 2 : 2 + n].astype(np.int32),
-            results[:, 2 + n :],
+        num_rows = results.shape[0]
+        accepted = np.ones(num_rows, np.int32) if samples is None else samples.astype(np.int32)
+        return StepOutput(
+            results[:, 0:1].astype(np.int32),
+            accepted,
+            results[:, 1:2],
+            results[:, None, 2 : 2 + n].astype(np.int32),
+            results[:, None, 2 + n :],
         )

@@ -17,6 +17,7 @@ import logging
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import jax
@@ -25,14 +26,14 @@ import numpy as np
 from flax import nnx
 
 from jaxserve.attention import select_backend
-from jaxserve.batch import Chunk, pack_step
+from jaxserve.batch import pack_step
 from jaxserve.buckets import BucketTable
 from jaxserve.kv_cache import init_kv_cache
 from jaxserve.multihost import SCORE, STEP, StepChannel, is_leader
 from jaxserve.page_allocator import NULL_PAGE
-from jaxserve.results import StepResults
+from jaxserve.plan import Chunk, StepPlan
+from jaxserve.results import StepOutput
 from jaxserve.sampling import init_penalty_state
-from jaxserve.scheduler import SchedulerOutput
 from jaxserve.sharding import DATA, Layout
 from jaxserve.step import StepInputs, jit_score, jit_step
 
@@ -71,7 +72,7 @@ def enable_compilation_cache(directory: str | Path) -> None:
 
 
 class ModelRunner:
-    """Runs scheduler outputs on the model; the engine's Runner."""
+    """Runs step plans on the model; the engine's Runner."""
 
     def __init__(
         self,
@@ -116,37 +117,32 @@ class ModelRunner:
         self.warm = False
         self.compiles_after_warmup = 0
 
-    def execute(self, out: SchedulerOutput) -> StepResults:
-        chunks, shards = _chunks(out), [c.seq.shard for c in out.chunks]
+    def execute(self, plan: StepPlan) -> StepOutput:
+        if any(c.num_speculative for c in plan.chunks):
+            raise NotImplementedError(
+                "the model runner samples one token a row: draft tokens need a verifying step"
+            )
         # scored before the step, so the K/V the cache keeps are the step's own
         prompt = {
-            c.seq.request_id: self._score_chunk(chunk, c.seq.request.prompt_ids, shard)
-            for c, chunk, shard in zip(out.chunks, chunks, shards)
-            if c.seq.in_prefill and c.seq.request.params.prompt_logprobs is not None
+            c.request_id: self._score_chunk(c) for c in plan.chunks if c.score_targets is not None
         }
-        results = self._run(chunks, shards, out.bucket)
-        return dataclasses.replace(results, prompt_logprobs=prompt) if prompt else results
+        output = self._run(plan.chunks, plan.bucket)
+        return dataclasses.replace(output, prompt_logprobs=prompt) if prompt else output
 
-    def _score_chunk(
-        self, chunk: Chunk, prompt_ids: tuple[int, ...], shard: int = 0
-    ) -> StepResults:
-        """Prompt logprobs of a prefill chunk, one row per token (see `step.score`).
-
-        The last prompt token has no prompt token after it: its row's target is 0.
-        Other data shards score nothing (padding) meanwhile.
-        """
+    def _score_chunk(self, chunk: Chunk) -> StepOutput:
+        """Prompt logprobs of a prefill chunk, one row per token (see `step.score`),
+        against its `score_targets`. Other data shards score nothing (padding) meanwhile."""
         n = len(chunk.token_ids)
         num_tokens, _ = self.buckets.choose(n, 1)
-        packs = [self._score_pack([chunk] if s == shard else [], num_tokens)
+        packs = [self._score_pack([chunk] if s == chunk.shard else [], num_tokens)
                  for s in range(self.num_shards)]
-        following = prompt_ids[chunk.start + 1 : chunk.start + n + 1]
-        packs[shard][3][: len(following)] = following
+        packs[chunk.shard][3][:n] = chunk.score_targets
         inputs = _concatenate(packs)
         if self.channel is not None:
             self.channel.send(SCORE, (num_tokens, 1), inputs)
         results = self.dispatch_score(inputs, num_tokens)
         rows = np.asarray(jax.device_get(results)).reshape(self.num_shards, num_tokens, -1)
-        return StepResults.unpack(rows[shard, :n])
+        return StepOutput.unpack(rows[chunk.shard, :n])
 
     def _score_pack(self, chunks: list[Chunk], num_tokens: int) -> tuple:
         """One shard's `score` inputs: tokens, positions, metadata and zero targets."""
@@ -167,30 +163,29 @@ class ModelRunner:
         self._count_compiles(before, (num_tokens, 1))
         return results
 
-    def pack(self, out: SchedulerOutput) -> StepInputs:
-        """The host inputs `execute` would dispatch for `out` (benchmarks time the device
+    def pack(self, plan: StepPlan) -> StepInputs:
+        """The host inputs `execute` would dispatch for `plan` (benchmarks time the device
         alone by dispatching them back to back)."""
-        return self._pack(_chunks(out), [c.seq.shard for c in out.chunks], out.bucket)[0]
+        return self._pack(plan.chunks, plan.bucket)[0]
 
-    def _pack(self, chunks: list[Chunk], shards: list[int], bucket: tuple[int, int]
+    def _pack(self, chunks: Sequence[Chunk], bucket: tuple[int, int]
               ) -> tuple[StepInputs, list[int]]:
-        """The step inputs of `chunks` (chunk i on data shard shards[i]), and the result
-        row of each chunk."""
+        """The step inputs of `chunks` (each on its data shard), and each chunk's result row."""
         packs, rows = [], []
         for s in range(self.num_shards):
-            mine = [i for i, shard in enumerate(shards) if shard == s]
+            mine = [i for i, c in enumerate(chunks) if c.shard == s]
             packs.append(self._step_pack([chunks[i] for i in mine], bucket))
             rows += [(i, s * bucket[1] + j) for j, i in enumerate(mine)]
         return _concatenate(packs), [row for _, row in sorted(rows)]
 
-    def _run(self, chunks: list[Chunk], shards: list[int], bucket: tuple[int, int]
-             ) -> StepResults:
-        """Run `chunks` (chunk i on data shard shards[i]); results in the chunks' order."""
-        inputs, order = self._pack(chunks, shards, bucket)
+    def _run(self, chunks: Sequence[Chunk], bucket: tuple[int, int]) -> StepOutput:
+        """Run `chunks`; results in the chunks' order."""
+        inputs, order = self._pack(chunks, bucket)
         if self.channel is not None:
             self.channel.send(STEP, bucket, inputs)
         results = self.dispatch_step(inputs, bucket)
-        return StepResults.unpack(np.asarray(jax.device_get(results))[order])
+        samples = np.array([c.samples for c in chunks], bool)
+        return StepOutput.unpack(np.asarray(jax.device_get(results))[order], samples)
 
     def _step_pack(self, chunks: list[Chunk], bucket: tuple[int, int]) -> StepInputs:
         num_tokens, num_seqs = bucket
@@ -240,20 +235,23 @@ class ModelRunner:
         context = self.max_pages * self.page_size if worst_case else 0
         for num_tokens in self.buckets.token_sizes:
             start = max(0, context - num_tokens)
-            self._score_chunk(Chunk([0] * num_tokens, start, [NULL_PAGE] * self.max_pages), ())
+            targets = (0,) * num_tokens
+            pages = [NULL_PAGE] * self.max_pages
+            self._score_chunk(Chunk(targets, start, pages, score_targets=targets))
         buckets = self.buckets.buckets()
         show = sys.stderr.isatty()
         for i, (num_tokens, num_seqs) in enumerate(buckets):
             n = num_tokens // num_seqs
-            dummy = [Chunk([0] * n, max(0, context - n), [NULL_PAGE] * self.max_pages)]
-            dummy *= num_seqs
-            dummy *= self.num_shards  # a full batch on every shard
-            shards = [s for s in range(self.num_shards) for _ in range(num_seqs)]
-            self._run(dummy, shards, (num_tokens, num_seqs))  # compile
+            dummy = [  # a full batch on every shard
+                Chunk([0] * n, max(0, context - n), [NULL_PAGE] * self.max_pages, shard=s)
+                for s in range(self.num_shards)
+                for _ in range(num_seqs)
+            ]
+            self._run(dummy, (num_tokens, num_seqs))  # compile
             times = []
             for _ in range(repeats):
                 start = time.perf_counter()
-                self._run(dummy, shards, (num_tokens, num_seqs))
+                self._run(dummy, (num_tokens, num_seqs))
                 times.append(time.perf_counter() - start)
             self.step_times[(num_tokens, num_seqs)] = float(np.median(times))
             if show:
@@ -274,25 +272,6 @@ class ModelRunner:
             if worst <= fraction * tpot_slo_s:
                 best = seqs
         return best
-
-
-def _chunks(out: SchedulerOutput) -> list[Chunk]:
-    """The scheduled chunks as plain step data, in the output's order."""
-    return [
-        Chunk(
-            c.token_ids,
-            c.start,
-            c.seq.pages,
-            c.seq.request.params,
-            seed=c.seq.request.seed,
-            num_generated=c.seq.num_generated,
-            slot=c.seq.slot,
-            is_prompt=c.seq.in_prefill,
-            samples=c.samples,
-            first=c.first,
-        )
-        for c in out.chunks
-    ]
 
 
 def _concatenate(packs: list) -> object:

@@ -22,11 +22,16 @@ tokens left to compute (counting the new request's uncached prompt, so a shard
 holding its prefix gains), then the most free pages. Every shard's batch is
 padded to one common bucket, since the shards run one step together.
 
-One progress rule covers prefill, chunked prefill and decode: a sequence's
-computed tokens catch up with its tokens. Each step a running sequence gets a
+One progress rule covers prefill, chunked prefill and decode: a request's
+computed tokens catch up with its tokens. Each step a running request gets a
 chunk of its not-yet-computed tokens; when the chunk reaches its last token, the
-step samples the next one. Admission reserves the request's maximum pages,
-ceil((prompt + max_tokens) / page_size), and never preempts a running sequence.
+step samples the next one. A decoding request with draft tokens (speculative
+decoding) carries them after its last token, as far as the token budget and its
+pages allow. Admission reserves the request's maximum pages,
+ceil((prompt + max_tokens) / page_size), and never preempts a running request.
+
+The scheduler owns the request records (`request.Request`); the plan it hands the
+device side each step is plain data copied from them (`plan.StepPlan`).
 """
 
 import time
@@ -35,69 +40,10 @@ from dataclasses import dataclass, field
 
 from jaxserve.buckets import BucketTable
 from jaxserve.page_allocator import PageAllocator, page_keys
+from jaxserve.plan import Chunk, StepPlan
 from jaxserve.request import Request, RequestRejected
 
 ACTIVE_WINDOW_S = 30.0  # a tenant that sent a request this recently shares the batch
-
-
-@dataclass
-class RunningSequence:
-    """A request admitted to the batch: its pages and how far its KV has been computed."""
-
-    request: Request
-    pages: list[int]
-    slot: int  # stable batch position while running (indexes per-sequence device state)
-    token_ids: list[int]  # prompt, then every token sampled so far
-    shard: int = 0  # the data shard holding its pages and its row
-    num_computed: int = 0  # tokens whose K/V are in the cache
-    admitted_step: int = 0
-    num_cached_tokens: int = 0  # prompt tokens reused from the prefix cache
-    num_registered_pages: int = 0  # leading full pages recorded as cached content
-
-    @property
-    def request_id(self) -> str:
-        return self.request.request_id
-
-    @property
-    def num_generated(self) -> int:
-        return len(self.token_ids) - len(self.request.prompt_ids)
-
-    @property
-    def in_prefill(self) -> bool:
-        return self.num_computed < len(self.request.prompt_ids)
-
-
-@dataclass(frozen=True, slots=True)
-class ScheduledChunk:
-    """Tokens of one running sequence to compute this step."""
-
-    seq: RunningSequence
-    start: int  # position of token_ids[0]
-    token_ids: tuple[int, ...]
-
-    @property
-    def first(self) -> bool:
-        """The sequence's first computed chunk (after any cached prefix)."""
-        return self.start == self.seq.num_cached_tokens
-
-    @property
-    def samples(self) -> bool:
-        """The chunk reaches the sequence's last token, so the step samples its next."""
-        return self.start + len(self.token_ids) == len(self.seq.token_ids)
-
-
-@dataclass(frozen=True, slots=True)
-class SchedulerOutput:
-    """One step's plan: the chunks (decodes first, then prefills) and the bucket they fill."""
-
-    step: int
-    chunks: tuple[ScheduledChunk, ...]
-    bucket: tuple[int, int]  # (num_tokens, num_seqs) of every shard's batch
-    admitted: tuple[str, ...] = ()
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(len(c.token_ids) for c in self.chunks)
 
 
 @dataclass
@@ -116,9 +62,9 @@ class Scheduler:
     prefix_caching: bool = True
     reserved_rows: int = 0  # rows no tenant may take while others are active
     waiting: deque[Request] = field(default_factory=deque)
-    running: dict[str, RunningSequence] = field(default_factory=dict)  # in admission order
+    running: dict[str, Request] = field(default_factory=dict)  # in admission order
     step_index: int = 0
-    free_slots: list[list[int]] = field(init=False)  # per shard
+    free_rows: list[list[int]] = field(init=False)  # per shard
     running_per_tenant: Counter = field(default_factory=Counter)
     prefix_queries: int = 0  # prompt tokens looked up in the prefix cache
     prefix_hits: int = 0  # of which found cached
@@ -128,11 +74,11 @@ class Scheduler:
         if self.token_budget < self.max_batch:
             raise ValueError(
                 f"token_budget ({self.token_budget}) must be at least max_batch "
-                f"({self.max_batch}): every running sequence decodes one token a step"
+                f"({self.max_batch}): every running request decodes one token a step"
             )
         self.buckets.choose(self.token_budget, self.max_batch)  # the table must hold a full step
         # pop() gives 0 first
-        self.free_slots = [list(range(self.max_batch - 1, -1, -1)) for _ in self.allocators]
+        self.free_rows = [list(range(self.max_batch - 1, -1, -1)) for _ in self.allocators]
 
     @property
     def num_shards(self) -> int:
@@ -179,16 +125,16 @@ class Scheduler:
         self.last_arrival[request.tenant] = max(last, request.arrival_time)
 
     def finish(self, request_id: str) -> None:
-        """Drop a finished or cancelled request, freeing its pages at once."""
-        seq = self.running.pop(request_id, None)
-        if seq is not None:
-            self.allocators[seq.shard].free(request_id, seq.pages)
-            self.free_slots[seq.shard].append(seq.slot)
-            self.running_per_tenant[seq.request.tenant] -= 1
+        """Drop a finished or cancelled request, freeing its pages and row at once."""
+        request = self.running.pop(request_id, None)
+        if request is not None:
+            self.allocators[request.shard].free(request_id, request.pages)
+            self.free_rows[request.shard].append(request.row)
+            self.running_per_tenant[request.tenant] -= 1
             return
         self.waiting = deque(r for r in self.waiting if r.request_id != request_id)
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self) -> StepPlan:
         """Admit what fits, then plan this step's chunks under each shard's token budget."""
         admitted = self._admit()
         chunks = []
@@ -199,23 +145,27 @@ class Scheduler:
             tokens = sum(len(c.token_ids) for c in mine)
             widest = (max(widest[0], tokens), max(widest[1], len(mine)))
         bucket = self.buckets.choose(*widest) if chunks else (0, 0)
-        out = SchedulerOutput(self.step_index, tuple(chunks), bucket, admitted)
+        plan = StepPlan(self.step_index, tuple(chunks), bucket, admitted)
         self.step_index += 1
-        return out
+        return plan
 
-    def _plan(self, shard: int) -> list[ScheduledChunk]:
-        """One shard's chunks: every decode, then prefill chunks (oldest first) in the budget."""
-        budget = self.token_budget
+    def _plan(self, shard: int) -> list[Chunk]:
+        """One shard's chunks: every decode (with what drafts the budget leaves room for),
+        then prefill chunks (oldest first) in the budget."""
+        running = [r for r in self.running.values() if r.shard == shard]
+        decoding = [r for r in running if not r.in_prefill]
+        budget = self.token_budget - len(decoding)  # a decode's own token comes first
         chunks = []
-        running = [seq for seq in self.running.values() if seq.shard == shard]
-        for seq in running:  # decodes first: they must not wait on prefills
-            if not seq.in_prefill:
-                chunks.append(self._chunk(seq, 1))
-                budget -= 1
-        for seq in running:
-            if seq.in_prefill and budget > 0:
-                n = min(len(seq.token_ids) - seq.num_computed, budget)
-                chunks.append(self._chunk(seq, n))
+        for request in decoding:  # decodes first: they must not wait on prefills
+            # drafts fit the budget and the request's pages (its maximum length)
+            room = request.max_total_tokens - len(request.token_ids)
+            drafts = request.spec_token_ids[: max(0, min(budget, room))]
+            chunks.append(self._chunk(request, 1, drafts))
+            budget -= len(drafts)
+        for request in running:
+            if request.in_prefill and budget > 0:
+                n = min(len(request.token_ids) - request.num_computed, budget)
+                chunks.append(self._chunk(request, n))
                 budget -= n
         return chunks
 
@@ -259,21 +209,15 @@ class Scheduler:
             self.running_per_tenant[request.tenant] += 1
             allocator.share(request.request_id, cached)
             need = self.pages_needed(request) - len(cached)
-            pages = cached + allocator.allocate(request.request_id, need)
             num_cached = len(cached) * self.page_size
             self.prefix_queries += len(request.prompt_ids)
             self.prefix_hits += num_cached
-            self.running[request.request_id] = RunningSequence(
-                request,
-                pages,
-                self.free_slots[shard].pop(),
-                list(request.prompt_ids),
-                shard=shard,
-                num_computed=num_cached,
-                admitted_step=self.step_index,
-                num_cached_tokens=num_cached,
-                num_registered_pages=len(cached),
-            )
+            # the pages are fixed for its life: a tuple, which the plan can share as is
+            request.pages = tuple(cached + allocator.allocate(request.request_id, need))
+            request.shard, request.row = shard, self.free_rows[shard].pop()
+            request.num_computed = request.num_cached_tokens = num_cached
+            request.num_registered_pages = len(cached)
+            self.running[request.request_id] = request
             admitted.append(request.request_id)
         return tuple(admitted)
 
@@ -282,7 +226,7 @@ class Scheduler:
         cached prefix pages it reuses there; None if no shard fits it now."""
         best, best_key = None, None
         for shard, allocator in enumerate(self.allocators):
-            if not self.free_slots[shard]:
+            if not self.free_rows[shard]:
                 continue
             cached = self._cached_prefix(request, allocator)
             allocator.share(request.request_id, cached)  # held: the check cannot evict them
@@ -291,9 +235,7 @@ class Scheduler:
             if not fits:
                 continue
             backlog = sum(
-                len(seq.token_ids) - seq.num_computed
-                for seq in self.running.values()
-                if seq.shard == shard
+                len(r.token_ids) - r.num_computed for r in self.running.values() if r.shard == shard
             )
             uncached = len(request.prompt_ids) - len(cached) * self.page_size
             key = (backlog + uncached, -allocator.num_free)
@@ -316,52 +258,71 @@ class Scheduler:
         return allocator.match_prefix(keys)
 
     @staticmethod
-    def _chunk(seq: RunningSequence, n: int) -> ScheduledChunk:
-        start = seq.num_computed
-        return ScheduledChunk(seq, start, tuple(seq.token_ids[start : start + n]))
+    def _chunk(request: Request, n: int, drafts: tuple[int, ...] = ()) -> Chunk:
+        """The plain-data row for `request`'s next `n` tokens (and `drafts` after them)."""
+        start = request.num_computed
+        end = start + n
+        prompt = request.in_prefill
+        targets = None
+        if prompt and request.params.prompt_logprobs is not None:
+            following = request.prompt_ids[start + 1 : end + 1]
+            targets = following + (0,) * (n - len(following))  # none after the last
+        return Chunk(
+            tuple(request.token_ids[start:end]) + drafts,
+            start,
+            request.pages,
+            request.params,
+            seed=request.seed,
+            num_generated=request.num_generated,
+            row=request.row,
+            is_prompt=prompt,
+            samples=end == len(request.token_ids),
+            first=start == request.num_cached_tokens,
+            request_id=request.request_id,
+            shard=request.shard,
+            num_speculative=len(drafts),
+            score_targets=targets,
+        )
 
-    def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> None:
-        """Advance computed counts and append each sampled token (by request id)."""
-        for chunk in out.chunks:
-            seq = chunk.seq
-            seq.num_computed += len(chunk.token_ids)
-            if chunk.samples and seq.request_id in sampled:
-                seq.token_ids.append(sampled[seq.request_id])
-            if self.prefix_caching:
-                self._register_full_pages(seq)
+    def advance(self, request: Request, chunk: Chunk, num_appended: int) -> None:
+        """Count `chunk`'s K/V as computed, after the engine appended `num_appended` of the
+        step's tokens to `request`: its real tokens, and the drafts accepted (every token
+        appended but the one sampled after them)."""
+        accepted_drafts = max(0, num_appended - 1) if chunk.num_speculative else 0
+        request.num_computed += len(chunk.token_ids) - chunk.num_speculative + accepted_drafts
+        if self.prefix_caching:
+            self._register_full_pages(request)
 
-    def _register_full_pages(self, seq: RunningSequence) -> None:
+    def _register_full_pages(self, request: Request) -> None:
         """Record each newly completed full page as cached content, for later requests."""
-        full = seq.num_computed // self.page_size
-        if full <= seq.num_registered_pages:
+        full = request.num_computed // self.page_size
+        if full <= request.num_registered_pages:
             return
-        keys = page_keys(seq.token_ids[: full * self.page_size], self.page_size,
-                         seq.request.cache_salt)
-        for i in range(seq.num_registered_pages, full):
-            self.allocators[seq.shard].register(seq.pages[i], keys[i])
-        seq.num_registered_pages = full
+        keys = page_keys(request.token_ids[: full * self.page_size], self.page_size,
+                         request.cache_salt)
+        for i in range(request.num_registered_pages, full):
+            self.allocators[request.shard].register(request.pages[i], keys[i])
+        request.num_registered_pages = full
 
     def check_invariants(self) -> None:
         """Assert the page books balance: each page owned once, by the sequence holding it."""
         for shard, alloc in enumerate(self.allocators):
-            seqs = [seq for seq in self.running.values() if seq.shard == shard]
-            private = [page for seq in seqs for page in seq.pages[seq.num_registered_pages :]]
+            mine = [r for r in self.running.values() if r.shard == shard]
+            private = [page for r in mine for page in r.pages[r.num_registered_pages :]]
             if len(private) != len(set(private)):
-                raise AssertionError("a private page is owned by two sequences")
+                raise AssertionError("a private page is owned by two requests")
             held = set()
-            for seq in seqs:
-                if len(set(seq.pages)) != len(seq.pages):
-                    raise AssertionError(f"{seq.request_id} holds a page twice")
-                for page in seq.pages:
-                    if seq.request_id not in alloc.owners_of(page):
-                        raise AssertionError(
-                            f"page {page} of {seq.request_id} is not booked to it"
-                        )
+            for r in mine:
+                if len(set(r.pages)) != len(r.pages):
+                    raise AssertionError(f"{r.request_id} holds a page twice")
+                for page in r.pages:
+                    if r.request_id not in alloc.owners_of(page):
+                        raise AssertionError(f"page {page} of {r.request_id} is not booked to it")
                     held.add(page)
             if alloc.num_free + alloc.num_cached + len(held) != alloc.num_usable:
                 raise AssertionError(
                     f"shard {shard}: {alloc.num_free} free + {alloc.num_cached} cached + "
                     f"{len(held)} held != {alloc.num_usable} pages"
                 )
-            if len(seqs) + len(self.free_slots[shard]) != self.max_batch:
-                raise AssertionError(f"shard {shard}: rows and free slots do not add up")
+            if len(mine) + len(self.free_rows[shard]) != self.max_batch:
+                raise AssertionError(f"shard {shard}: running requests and free rows do not add up")

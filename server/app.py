@@ -127,11 +127,11 @@ class Server:
             return
         engine = self.llm.engine
         deadline = time.monotonic() + self.config.drain_timeout_s
-        while engine.live and time.monotonic() < deadline:
+        while engine.requests and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
-        for request_id in list(engine.live):
+        for request_id in list(engine.requests):
             engine.cancel(request_id)
-        while engine.live and time.monotonic() < deadline + 5:
+        while engine.requests and time.monotonic() < deadline + 5:
             await asyncio.sleep(0.05)
 
     def stop(self) -> None:

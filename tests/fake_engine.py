@@ -10,8 +10,9 @@ import tokenizers
 from jaxserve.buckets import BucketTable
 from jaxserve.engine import Engine
 from jaxserve.page_allocator import PageAllocator
-from jaxserve.results import RESULT_WIDTH, StepResults
-from jaxserve.scheduler import Scheduler, SchedulerOutput
+from jaxserve.plan import StepPlan
+from jaxserve.results import RESULT_WIDTH, StepOutput
+from jaxserve.scheduler import Scheduler
 from jaxserve.tokenizer import Tokenizer
 
 VOCAB = 100
@@ -27,18 +28,40 @@ def word_tokenizer() -> Tokenizer:
     return Tokenizer(backend, eos_token="w0")
 
 
+def next_token(token: int) -> int:
+    return (token + 1) % VOCAB
+
+
 class FakeRunner:
-    """Records every step's plan and answers with last token + 1."""
+    """Records every step's plan and answers with last token + 1; a row with draft tokens
+    accepts each draft the fake model agrees with (draft = previous token + 1), up to the
+    first it does not, then samples after the last accepted one, as a verifying step would."""
 
     def __init__(self) -> None:
-        self.steps: list[SchedulerOutput] = []
+        self.steps: list[StepPlan] = []
 
-    def execute(self, out: SchedulerOutput) -> StepResults:
-        self.steps.append(out)
-        tokens = [(c.token_ids[-1] + 1) % VOCAB for c in out.chunks]
-        packed = np.zeros((len(tokens), RESULT_WIDTH), np.float32)
-        packed[:, 0] = tokens
-        return StepResults.unpack(packed)
+    def execute(self, plan: StepPlan) -> StepOutput:
+        self.steps.append(plan)
+        rows = []
+        for c in plan.chunks:
+            real = len(c.token_ids) - c.num_speculative
+            accepted = [next_token(c.token_ids[real - 1])]
+            for draft in c.token_ids[real:]:
+                if draft != accepted[-1]:
+                    break
+                accepted.append(next_token(draft))
+            rows.append(accepted if c.samples else [])
+        k = max([1, *map(len, rows)])
+        packed = np.zeros((len(rows), RESULT_WIDTH), np.float32)
+        one = StepOutput.unpack(packed)
+        tokens = np.zeros((len(rows), k), np.int32)
+        for i, accepted in enumerate(rows):
+            tokens[i, : len(accepted)] = accepted
+        return StepOutput(
+            tokens, np.array([len(a) for a in rows], np.int32),
+            np.repeat(one.logprobs, k, axis=1), np.repeat(one.top_ids, k, axis=1),
+            np.repeat(one.top_logprobs, k, axis=1),
+        )
 
 
 def make_engine(
@@ -49,6 +72,7 @@ def make_engine(
     max_model_len: int = 64,
     stream_capacity: int = 64,
     prefix_caching: bool = True,
+    proposer=None,
 ) -> tuple[Engine, FakeRunner]:
     runner = FakeRunner()
     scheduler = Scheduler(
@@ -61,6 +85,7 @@ def make_engine(
         prefix_caching,
     )
     engine = Engine(
-        runner, scheduler, word_tokenizer(), (EOS,), stream_capacity, debug_checks=True
+        runner, scheduler, word_tokenizer(), (EOS,), stream_capacity, debug_checks=True,
+        proposer=proposer,
     )
     return engine, runner

@@ -1,7 +1,7 @@
 """The engine loop, step by step, on a fake model (exact, no jax)."""
 
 import pytest
-from fake_engine import EOS, make_engine
+from fake_engine import EOS, VOCAB, make_engine, next_token
 
 from jaxserve.config import SamplingParams
 from jaxserve.request import RequestRejected
@@ -18,7 +18,7 @@ def drain(stream) -> tuple[list[int], str, str]:
 
 
 def plan(out) -> list[tuple[str, int, tuple[int, ...]]]:
-    return [(c.seq.request_id, c.start, c.token_ids) for c in out.chunks]
+    return [(c.request_id, c.start, c.token_ids) for c in out.chunks]
 
 
 def test_admission_chunks_pages_and_frees_step_by_step():
@@ -35,7 +35,7 @@ def test_admission_chunks_pages_and_frees_step_by_step():
     assert out.admitted == ("a", "b")
     assert plan(out) == [("a", 0, tuple(range(10, 18)))]
     assert out.bucket == (8, 1)
-    assert sched.running["a"].pages == [1, 2, 3, 4] and sched.running["b"].pages == [5, 6]
+    assert sched.running["a"].pages == (1, 2, 3, 4) and sched.running["b"].pages == (5, 6)
     assert alloc.num_free == 2 and [r.request_id for r in sched.waiting] == ["c"]
 
     out = engine.step()  # a finishes its prefill (2 tokens) and samples; b prefills in full
@@ -51,7 +51,7 @@ def test_admission_chunks_pages_and_frees_step_by_step():
 
     out = engine.step()  # c is admitted now that pages are free
     assert out.admitted == ("c",) and plan(out) == [("c", 0, (40, 41, 42, 43, 44, 45))]
-    assert sched.running["c"].pages == [6, 5, 4]  # reused pages, last freed first
+    assert sched.running["c"].pages == (6, 5, 4)  # reused pages, last freed first
 
     assert drain(a)[0] == [20, 21, 22] and drain(b)[0] == [32, 33, 34]
     while engine.has_work():
@@ -69,7 +69,7 @@ def test_eos_stops_and_decodes_run_before_prefills():
     s2 = engine.submit([5, 6, 7, 8, 9, 10], SamplingParams(max_tokens=2, ignore_eos=True))
     out = engine.step()
     # s1's decode goes first; s2's prefill takes the rest of the budget (3 of 6 tokens)
-    assert [(c.seq.request_id, len(c.token_ids)) for c in out.chunks] == [
+    assert [(c.request_id, len(c.token_ids)) for c in out.chunks] == [
         ("req-1", 1),
         ("req-2", 3),
     ]
@@ -150,7 +150,7 @@ def test_random_mix_of_finish_cancel_reject_returns_every_page():
         engine.step()
     alloc = engine.scheduler.allocators[0]
     assert alloc.num_used == 0 and alloc.num_free + alloc.num_cached == alloc.num_usable
-    assert not engine.live
+    assert not engine.requests
     for stream in streams:
         assert drain(stream)[2] in ("stop", "length", "abort")
 
@@ -162,7 +162,7 @@ def test_a_cached_prefix_is_reused_and_only_the_rest_is_prefilled():
     first = engine.submit(system + [50, 51], params, "first")
     while engine.has_work():
         engine.step()
-    pages_of_first = runner.steps[0].chunks[0].seq.pages
+    pages_of_first = runner.steps[0].chunks[0].pages
     second = engine.submit(system + [60], params, "second")
     out = engine.step()
     seq = engine.scheduler.running["second"]
@@ -194,3 +194,56 @@ def test_cache_salt_keeps_tenants_apart():
         assert plan(out)[0][1] == reused, request_id
         while engine.has_work():
             engine.step()
+
+
+class Drafts:
+    """Proposes k drafts: the fake model's own next tokens, but wrong at the indices
+    `wrong_at` (so the step accepts the drafts before the first wrong one)."""
+
+    def __init__(self, k: int, wrong_at: tuple[int, ...] = ()) -> None:
+        self.k, self.wrong_at = k, wrong_at
+
+    def propose(self, request) -> tuple[int, ...]:
+        drafts, last = [], request.token_ids[-1]
+        for i in range(self.k):
+            last = next_token(last)
+            drafts.append((last + 50) % VOCAB if i in self.wrong_at else last)
+        return tuple(drafts)
+
+
+def generate(prompts, params, proposer=None, page_size=4):
+    engine, runner = make_engine(page_size=page_size, proposer=proposer)
+    streams = [engine.submit(p, params) for p in prompts]
+    while engine.has_work():
+        engine.step()
+    alloc = engine.scheduler.allocators[0]
+    assert alloc.num_free + alloc.num_cached == alloc.num_usable and not engine.requests
+    for plan in runner.steps:  # drafts never run past the pages reserved for the request
+        assert all(c.start + len(c.token_ids) <= len(c.pages) * page_size for c in plan.chunks)
+    return [drain(s) for s in streams], runner.steps
+
+
+def test_rows_of_k_tokens_accept_drafts_and_give_the_same_tokens_in_fewer_steps():
+    prompts = [[5, 6], [20], [40, 41, 42]]
+    params = SamplingParams(max_tokens=10, ignore_eos=True)
+    want, plain_steps = generate(prompts, params)
+    good, good_steps = generate(prompts, params, Drafts(2))
+    half, half_steps = generate(prompts, params, Drafts(2, wrong_at=(1,)))
+    none, none_steps = generate(prompts, params, Drafts(2, wrong_at=(0,)))
+    assert good == half == none == want
+    assert all(r[2] == "length" and len(r[0]) == 10 for r in good)
+    # 3 tokens a step with good drafts, 2 with the second wrong, 1 with both
+    assert len(good_steps) < len(half_steps) < len(none_steps) == len(plain_steps)
+    rows = [c for plan in good_steps for c in plan.chunks if c.num_speculative]
+    assert rows and all(len(c.token_ids) == 1 + c.num_speculative for c in rows)
+    assert max(c.num_speculative for c in rows) == 2
+
+
+def test_a_stop_among_accepted_drafts_drops_the_tokens_after_it():
+    # 97 -> 98 -> 99 -> 0 (EOS): the row [98, 99, 0] accepts 99, 0 and samples 1 after
+    # them; EOS ends the request, 1 is dropped
+    (result,), _ = generate([[96, 97]], SamplingParams(max_tokens=10), Drafts(2))
+    assert result == ([98, 99, EOS], " w98 w99", "stop")
+    # max_tokens cuts the accepted tokens too, and drafts stop at the reserved pages
+    (result,), _ = generate([[5]], SamplingParams(max_tokens=4, ignore_eos=True), Drafts(3))
+    assert result[0] == [6, 7, 8, 9] and result[2] == "length"

@@ -9,8 +9,9 @@ import torch
 from flax import nnx
 from hf_models import CONFIGS, save_random_model
 
-from jaxserve.batch import Chunk, pack_step
+from jaxserve.batch import pack_step
 from jaxserve.kv_cache import init_kv_cache
+from jaxserve.plan import Chunk
 from jaxserve.step import forward
 from jaxserve.weights import load_model, open_checkpoint
 

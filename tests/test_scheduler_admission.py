@@ -84,11 +84,15 @@ def sharded(num_shards: int = 2, max_batch: int = 2, num_pages: int = 64) -> Sch
 
 
 def run_prefill(s: Scheduler) -> None:
-    """Steps (admitting first) until no running sequence is in prefill; samples are token 7."""
+    """Steps (admitting first) until no running request is in prefill; samples are token 7."""
     while True:
-        out = s.schedule()
-        s.update(out, {c.seq.request_id: 7 for c in out.chunks if c.samples})
-        if not any(seq.in_prefill for seq in s.running.values()):
+        plan = s.schedule()
+        for chunk in plan.chunks:
+            request = s.running[chunk.request_id]
+            if chunk.samples:
+                request.append(7)
+            s.advance(request, chunk, int(chunk.samples))
+        if not any(r.in_prefill for r in s.running.values()):
             return
 
 
@@ -102,7 +106,7 @@ def test_requests_spread_over_the_data_shards_and_each_shard_is_one_bucket():
     assert sorted(shards) == [0, 0, 1, 1]
     # each shard's batch is 2 rows of 3 prompt tokens: the shared bucket holds one shard
     assert out.bucket == s.buckets.choose(6, 2)
-    assert {seq.slot for seq in s.running.values() if seq.shard == 1} == {0, 1}
+    assert {r.row for r in s.running.values() if r.shard == 1} == {0, 1}
     s.check_invariants()
     s.finish("r1")
     s.schedule()

@@ -438,8 +438,9 @@ def _logits_over_steps(model, mesh=None) -> tuple[np.ndarray, object]:
 
     from flax import nnx
 
-    from jaxserve.batch import Chunk, pack_step
+    from jaxserve.batch import pack_step
     from jaxserve.kv_cache import init_kv_cache
+    from jaxserve.plan import Chunk
     from jaxserve.sharding import Layout
     from jaxserve.step import forward, sharded_forward
 

@@ -45,7 +45,8 @@ def hf_greedy(model, ids: list[int], n: int) -> list[int]:
 
 
 def test_prompt_logits_match(llm, hf_model):
-    from jaxserve.batch import Chunk, pack_step
+    from jaxserve.batch import pack_step
+    from jaxserve.plan import Chunk
     from jaxserve.step import forward
 
     runner = llm.runner

@@ -15,9 +15,10 @@ from flax import nnx
 from gguf import GGMLQuantizationType as QType
 from hf_models import save_random_model
 
-from jaxserve.batch import Chunk, pack_step
+from jaxserve.batch import pack_step
 from jaxserve.config import ModelConfig
 from jaxserve.kv_cache import init_kv_cache
+from jaxserve.plan import Chunk
 from jaxserve.step import forward
 from jaxserve.weights import GGUF_TYPES, WeightsError, load_model, open_checkpoint
 

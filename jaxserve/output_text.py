@@ -1,4 +1,4 @@
-"""A sequence's host-side life after admission: its tokens, its text, and when it stops.
+"""A request's generated text as released to its client, and the decision to stop.
 
 Stop rules, in the OpenAI/vLLM sense: EOS (unless ignore_eos), stop token ids,
 stop strings (trimmed exactly, even across token boundaries), and max_tokens;
@@ -6,6 +6,7 @@ none but max_tokens fires before min_tokens. Text is released only once it can
 no longer turn out to be the start of a stop string.
 """
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from jaxserve.config import SamplingParams
@@ -13,34 +14,31 @@ from jaxserve.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
 @dataclass
-class Sequence:
-    """Generated tokens and released text of one prompt."""
+class OutputText:
+    """The text of one request's generated tokens, fed one token at a time (the request
+    record holds the tokens themselves)."""
 
-    prompt_ids: list[int]
+    prompt_ids: Sequence[int]
     params: SamplingParams
     tokenizer: Tokenizer
     eos_token_ids: tuple[int, ...]
-    output_ids: list[int] = field(default_factory=list)
+    num_generated: int = 0
     text: str = ""  # released text: never contains (the start of) a stop string
     finish_reason: str | None = None  # "stop" or "length" once finished
     _detok: IncrementalDetokenizer = field(init=False)
     _pending: str = field(init=False, default="")  # decoded but held back
 
     def __post_init__(self) -> None:
-        self._detok = IncrementalDetokenizer(self.tokenizer, self.prompt_ids)
+        self._detok = IncrementalDetokenizer(self.tokenizer, list(self.prompt_ids))
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
 
-    @property
-    def num_tokens(self) -> int:
-        return len(self.prompt_ids) + len(self.output_ids)
-
     def append(self, token_id: int) -> str:
         """Take one generated token; return the text newly released to the client."""
-        self.output_ids.append(token_id)
-        may_stop = len(self.output_ids) > self.params.min_tokens
+        self.num_generated += 1
+        may_stop = self.num_generated > self.params.min_tokens
         is_eos = token_id in self.eos_token_ids and not self.params.ignore_eos
         if may_stop and (is_eos or token_id in self.params.stop_token_ids):
             self.finish_reason = "stop"
@@ -51,7 +49,7 @@ class Sequence:
             if cut is not None:
                 self.finish_reason = "stop"
                 return self._release(self._pending[:cut])
-        if len(self.output_ids) >= self.params.max_tokens:
+        if self.num_generated >= self.params.max_tokens:
             self.finish_reason = "length"
             return self._release(self._pending + self._detok.flush())
         keep = _partial_stop_suffix(self._pending, self.params.stop)
