@@ -245,7 +245,7 @@ def evaluate(tables: dict[str, BucketTable], measured_name: str, measured: list[
             "name": name,
             "measured": name == measured_name,
             "token_sizes": list(table.token_sizes),
-            "seq_sizes": list(table.seq_sizes),
+            "seq_sizes": list(table.row_sizes),
             "num_buckets": len(table.buckets()),
             "compile_s": compile_s,
             "replay_s": replay_s,
@@ -350,10 +350,10 @@ def main() -> None:
     module, _ = load(model_path, jnp.dtype(args.dtype))
     context = max(args.context, table.max_tokens)
     pages_per_row = -(-context // args.page_size)
-    num_pages = 1 + table.max_seqs * pages_per_row
+    num_pages = 1 + table.max_rows * pages_per_row
     runner = ModelRunner(
         module, table, num_pages, args.page_size, pages_per_row * args.page_size,
-        table.max_seqs, dtype=jnp.dtype(args.dtype),
+        table.max_rows, dtype=jnp.dtype(args.dtype),
     )
     measured = measure(
         runner, PageAllocator(num_pages), args.context, args.steps, module.config.vocab_size

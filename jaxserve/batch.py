@@ -20,31 +20,31 @@ def pack_step(
     chunks: Sequence[Chunk],
     page_size: int,
     num_tokens: int,
-    num_seqs: int,
+    num_rows: int,
     max_pages: int,
-    spare_slot: int,
+    spare_row: int,
     attention_backend: str = "xla",
 ) -> StepInputs:
-    """Host arrays for one step, padded to (num_tokens, num_seqs); logits at each chunk's end.
+    """Host arrays for one step, padded to (num_tokens, num_rows); logits at each chunk's end.
 
-    `spare_slot` is the penalty slot that padding rows (and chunks without a slot) use.
+    `spare_row` is the penalty row that padding rows (and chunks without a row) use.
     """
     total = sum(len(c.token_ids) for c in chunks)
-    if total > num_tokens or len(chunks) > num_seqs:
+    if total > num_tokens or len(chunks) > num_rows:
         raise ValueError(
             f"{len(chunks)} sequences with {total} tokens exceed the bucket "
-            f"({num_seqs} sequences, {num_tokens} tokens)"
+            f"({num_rows} sequences, {num_tokens} tokens)"
         )
-    pad_row = num_seqs  # an extra, all-null row of the page table
+    pad_row = num_rows  # an extra, all-null row of the page table
     token_ids = np.zeros(num_tokens, np.int32)
     positions = np.zeros(num_tokens, np.int32)
     seq_ids = np.full(num_tokens, pad_row, np.int32)
     slot_mapping = np.full(num_tokens, NULL_PAGE * page_size, np.int32)
-    page_table = np.full((num_seqs + 1, max_pages), NULL_PAGE, np.int32)
-    cu_q_lens = np.zeros(num_seqs + 2, np.int32)
-    kv_lens = np.zeros(num_seqs + 1, np.int32)
-    logits_indices = np.zeros(num_seqs, np.int32)
-    prompt_slots = np.full(num_tokens, spare_slot, np.int32)
+    page_table = np.full((num_rows + 1, max_pages), NULL_PAGE, np.int32)
+    cu_q_lens = np.zeros(num_rows + 2, np.int32)
+    kv_lens = np.zeros(num_rows + 1, np.int32)
+    logits_indices = np.zeros(num_rows, np.int32)
+    prompt_rows = np.full(num_tokens, spare_row, np.int32)
     offset = 0
     for i, chunk in enumerate(chunks):
         n = len(chunk.token_ids)
@@ -62,12 +62,12 @@ def pack_step(
         slot_mapping[span] = pages[pos // page_size] * page_size + pos % page_size
         page_table[i, : len(pages)] = pages
         if chunk.is_prompt and chunk.row is not None:
-            prompt_slots[span] = chunk.row
+            prompt_rows[span] = chunk.row
         logits_indices[i] = offset + n - 1
         kv_lens[i] = chunk.start + n
         offset += n
         cu_q_lens[i + 1 :] = offset
-    padding = [Chunk((), 1, (), samples=False)] * (num_seqs - len(chunks))
+    padding = [Chunk((), 1, (), samples=False)] * (num_rows - len(chunks))
     rows = list(chunks) + padding
     sampling = SamplingTensors(
         temperature=np.array([c.params.temperature for c in rows], np.float32),
@@ -80,10 +80,10 @@ def pack_step(
         repetition_penalty=np.array([c.params.repetition_penalty for c in rows], np.float32),
         seeds=np.array([c.seed for c in rows], np.uint32),
         counters=np.array([c.num_generated for c in rows], np.int32),
-        slots=np.array([spare_slot if c.row is None else c.row for c in rows], np.int32),
+        rows=np.array([spare_row if c.row is None else c.row for c in rows], np.int32),
         first_chunk=np.array([c.first and c.row is not None for c in rows], bool),
         samples=np.array([c.samples and c.row is not None for c in rows], bool),
-        prompt_slots=prompt_slots,
+        prompt_rows=prompt_rows,
         logprobs=np.array(
             [-1 if c.params.logprobs is None else c.params.logprobs for c in rows], np.int32
         ),

@@ -1,6 +1,6 @@
 """The bucket table: the only shapes the step is ever compiled for.
 
-A bucket is a (num_tokens, num_seqs) pair. The scheduler pads every batch up to
+A bucket is a (num_tokens, num_rows) pair. The scheduler pads every batch up to
 the smallest bucket that holds it, so XLA never compiles while serving.
 """
 
@@ -23,7 +23,7 @@ class BucketTable:
     """Token-count and row-count sizes; every (tokens ≥ rows) pair is a bucket."""
 
     token_sizes: tuple[int, ...]
-    seq_sizes: tuple[int, ...]
+    row_sizes: tuple[int, ...]
 
     @staticmethod
     def for_limits(max_batch: int, token_budget: int, min_tokens: int = 1) -> "BucketTable":
@@ -45,16 +45,16 @@ class BucketTable:
         return BucketTable(*sizes)
 
     def __post_init__(self) -> None:
-        for name in ("token_sizes", "seq_sizes"):
+        for name in ("token_sizes", "row_sizes"):
             sizes = getattr(self, name)
             if not sizes or sizes[0] < 1 or any(a >= b for a, b in itertools.pairwise(sizes)):
                 raise ValueError(f"{name} must be increasing positive sizes, got {sizes}")
 
     def covers(self, max_batch: int, token_budget: int) -> None:
         """Raise unless a full batch (`max_batch` rows, `token_budget` tokens) has a bucket."""
-        if self.max_seqs < max_batch or self.max_tokens < token_budget:
+        if self.max_rows < max_batch or self.max_tokens < token_budget:
             raise ValueError(
-                f"the largest bucket ({self.max_tokens} tokens, {self.max_seqs} rows) must hold "
+                f"the largest bucket ({self.max_tokens} tokens, {self.max_rows} rows) must hold "
                 f"a full step: token_budget {token_budget}, max_batch {max_batch}"
             )
 
@@ -63,20 +63,20 @@ class BucketTable:
         return self.token_sizes[-1]
 
     @property
-    def max_seqs(self) -> int:
-        return self.seq_sizes[-1]
+    def max_rows(self) -> int:
+        return self.row_sizes[-1]
 
     def buckets(self) -> list[tuple[int, int]]:
-        """Every (num_tokens, num_seqs) shape to compile, smallest first."""
-        return [(t, s) for s in self.seq_sizes for t in self.token_sizes if t >= s]
+        """Every (num_tokens, num_rows) shape to compile, smallest first."""
+        return [(t, s) for s in self.row_sizes for t in self.token_sizes if t >= s]
 
-    def choose(self, num_tokens: int, num_seqs: int) -> tuple[int, int]:
-        """The smallest bucket holding `num_tokens` tokens in `num_seqs` rows."""
-        seqs = next((s for s in self.seq_sizes if s >= num_seqs), None)
+    def choose(self, num_tokens: int, num_rows: int) -> tuple[int, int]:
+        """The smallest bucket holding `num_tokens` tokens in `num_rows` rows."""
+        seqs = next((s for s in self.row_sizes if s >= num_rows), None)
         tokens = next((t for t in self.token_sizes if t >= max(num_tokens, seqs or 0)), None)
         if seqs is None or tokens is None:
             raise ValueError(
-                f"no bucket holds {num_tokens} tokens in {num_seqs} rows "
-                f"(largest: {self.max_tokens} tokens, {self.max_seqs} rows)"
+                f"no bucket holds {num_tokens} tokens in {num_rows} rows "
+                f"(largest: {self.max_tokens} tokens, {self.max_rows} rows)"
             )
         return tokens, seqs

@@ -1,13 +1,17 @@
 """The `jaxserve` command: generate, convert, serve, plan."""
 
 import argparse
+import dataclasses
 import gc
 import sys
 import time
 from pathlib import Path
 
 from jaxserve.buckets import BucketTable
-from jaxserve.config import ATTENTION_BACKENDS
+from jaxserve.config import ATTENTION_BACKENDS, EngineConfig
+
+# the engine flags' defaults are EngineConfig's: one default per setting
+DEFAULTS = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -117,12 +121,14 @@ def _convert(args: argparse.Namespace) -> int:
 
 def _engine_flags(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("engine")
-    group.add_argument("--max-batch", type=int, default=16)
-    group.add_argument("--num-pages", type=int, default=1024, help="KV pages incl. the null page")
-    group.add_argument("--page-size", type=int, default=16)
-    group.add_argument("--token-budget", type=int, default=256, help="tokens per step")
+    group.add_argument("--max-batch", type=int, default=DEFAULTS["max_batch"])
+    group.add_argument("--num-pages", type=int, default=DEFAULTS["num_pages"],
+                       help="KV pages incl. the null page")
+    group.add_argument("--page-size", type=int, default=DEFAULTS["page_size"])
+    group.add_argument("--token-budget", type=int, default=DEFAULTS["token_budget"],
+                       help="tokens per step")
     group.add_argument("--max-model-len", type=int)
-    group.add_argument("--dtype", default="float32")
+    group.add_argument("--dtype", default=DEFAULTS["dtype"])
     group.add_argument("--attention-backend", choices=ATTENTION_BACKENDS)
     group.add_argument("--tpot-slo-ms", type=float, help="cap the batch so steps stay under 60%%")
     group.add_argument(
@@ -130,19 +136,21 @@ def _engine_flags(parser: argparse.ArgumentParser) -> None:
         help="step shapes to compile, e.g. 1,8,64:1,8,64 (default: powers of two up to "
         "--token-budget and --max-batch); fewer buckets start faster, at more padding",
     )
-    group.add_argument(
+    group.add_argument(  # the server keeps a cache by default; the library writes no files
         "--compilation-cache-dir", default=".cache/jax",
         help="compiled buckets persist here: a second start loads them instead of compiling",
     )
-    group.add_argument("--stream-buffer", type=int, default=256, help="outputs per request")
+    group.add_argument("--stream-buffer", type=int, default=DEFAULTS["stream_capacity"],
+                       help="outputs per request")
     group.add_argument("--no-prefix-cache", action="store_true", help="never reuse KV pages")
     group.add_argument(
         "--reserved-rows", type=int, default=None,
         help="batch rows no tenant may take while another is active (default max-batch/8)",
     )
-    group.add_argument("--tp", type=int, default=1, help="tensor-parallel devices (mesh 'model')")
+    group.add_argument("--tp", type=int, default=DEFAULTS["tp"],
+                       help="tensor-parallel devices (mesh 'model')")
     group.add_argument(
-        "--dp", type=int, default=1,
+        "--dp", type=int, default=DEFAULTS["dp"],
         help="data shards of the batch (mesh 'data'); batch, pages and budget are per shard",
     )
 
@@ -154,9 +162,7 @@ def _bucket_table(spec: str) -> BucketTable:
         raise argparse.ArgumentTypeError(str(err)) from None
 
 
-def _engine_config(args: argparse.Namespace):
-    from jaxserve.config import EngineConfig
-
+def _engine_config(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
         page_size=args.page_size,
         num_pages=args.num_pages,
@@ -171,7 +177,7 @@ def _engine_config(args: argparse.Namespace):
         prefix_caching=not args.no_prefix_cache,
         reserved_rows=args.reserved_rows,
         buckets=None if args.buckets is None else (args.buckets.token_sizes,
-                                                   args.buckets.seq_sizes),
+                                                   args.buckets.row_sizes),
         tp=args.tp,
         dp=args.dp,
     )
@@ -225,7 +231,9 @@ def _follow(args: argparse.Namespace) -> int:
     logging.basicConfig(  # force: importing jax has set up a handler already
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s", force=True
     )
-    runner = LLM(args.model, _engine_config(args)).runner
+    # a follower runs process 0's steps: it neither warms up nor caps the batch itself
+    config = dataclasses.replace(_engine_config(args), tpot_slo_ms=None)
+    runner = LLM(args.model, config).runner
     gc.freeze()  # as the server does: no full collection pauses the step loop
     multihost.follow(runner)
     return 0

@@ -114,13 +114,13 @@ class EngineConfig:
     page_size: int = 16
     num_pages: int = 1024  # including the reserved null page; per data shard
     max_batch: int = 16  # rows in the running batch, per data shard (lowered by tpot_slo_ms)
-    token_budget: int = 512  # tokens a step computes (decodes + prefill chunks), per shard
+    token_budget: int = 256  # tokens a step computes (decodes + prefill chunks), per shard
     max_model_len: int | None = None  # None: the model's context, capped by the pool
     dtype: str = "float32"  # f32 serves fastest on CPU; bf16 on accelerators
     attention_backend: str | None = None  # None: by platform (see attention.select_backend)
     tpot_slo_ms: float | None = None
     compilation_cache_dir: str | None = None
-    stream_capacity: int = 64  # outputs buffered per request before it is cancelled
+    stream_capacity: int = 256  # outputs buffered per request before it is cancelled
     prefix_caching: bool = True  # reuse cached full pages of earlier prompts
     # rows no tenant may take while another is active (see scheduler);
     # None: max(1, max_batch // 8)

@@ -4,7 +4,6 @@
 scheduler and runner from one EngineConfig.
 """
 
-import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -78,6 +77,10 @@ class LLM:
             self.mesh,
         )
         max_batch = cfg.max_batch
+        if cfg.tpot_slo_ms is not None and not warmup:
+            raise ValueError(
+                "tpot_slo_ms caps the batch by the warm-up's step times: pass warmup=True"
+            )
         if warmup:
             # the TPOT bound needs the worst-case (full-context) step times
             self.runner.warmup(worst_case=cfg.tpot_slo_ms is not None)
@@ -98,7 +101,6 @@ class LLM:
             self.runner, self.scheduler, self.tokenizer, eos, cfg.stream_capacity,
             debug_checks=cfg.debug_checks,
         )
-        self._seed_rng = random.Random()
 
     def encode(self, prompt: str | Sequence[int]) -> list[int]:
         """Token ids of a prompt given as text or ids; ValueError when empty or out of range."""

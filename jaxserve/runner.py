@@ -7,7 +7,7 @@ after warm-up means a shape escaped the bucket table, and is logged as an error.
 Given a mesh, the weights, the KV pool and the step are laid out by
 `sharding.Layout`; without one everything sits on the default device. With dp
 data shards the KV pool holds dp pools of `num_pages` pages one after the other
-(page ids are shard-local) and the penalty state dp × (num_slots + 1) rows; each
+(page ids are shard-local) and the penalty state dp × (num_rows + 1) rows; each
 shard's batch is packed on its own and the packs are concatenated, so the step
 (`step.jit_step` with the layout) runs each shard's rows on its own devices.
 """
@@ -81,7 +81,7 @@ class ModelRunner:
         num_pages: int,
         page_size: int,
         max_model_len: int,
-        num_slots: int,
+        num_rows: int,
         attention_backend: str | None = None,
         dtype: jnp.dtype = jnp.float32,
         mesh: jax.sharding.Mesh | None = None,
@@ -100,9 +100,9 @@ class ModelRunner:
             cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, pool, page_size, dtype,
             None if self.layout is None else self.layout.kv_cache.k,
         )
-        self.spare_slot = num_slots  # each shard's last penalty row
+        self.spare_row = num_rows  # each shard's last penalty row
         self.penalties = init_penalty_state(
-            self.num_shards * (num_slots + 1) - 1, cfg.vocab_size
+            self.num_shards * (num_rows + 1) - 1, cfg.vocab_size
         )
         if self.layout is not None:
             # a no-op for weights loaded into their shardings (loader.load with the mesh)
@@ -147,7 +147,7 @@ class ModelRunner:
     def _score_pack(self, chunks: list[Chunk], num_tokens: int) -> tuple:
         """One shard's `score` inputs: tokens, positions, metadata and zero targets."""
         inputs = pack_step(
-            chunks, self.page_size, num_tokens, 1, self.max_pages, self.spare_slot, self.backend
+            chunks, self.page_size, num_tokens, 1, self.max_pages, self.spare_row, self.backend
         )
         every_token = np.arange(num_tokens, dtype=np.int32)
         metadata = dataclasses.replace(inputs.metadata, logits_indices=every_token)
@@ -188,9 +188,9 @@ class ModelRunner:
         return StepOutput.unpack(np.asarray(jax.device_get(results))[order], samples)
 
     def _step_pack(self, chunks: list[Chunk], bucket: tuple[int, int]) -> StepInputs:
-        num_tokens, num_seqs = bucket
+        num_tokens, num_rows = bucket
         return pack_step(
-            chunks, self.page_size, num_tokens, num_seqs, self.max_pages, self.spare_slot,
+            chunks, self.page_size, num_tokens, num_rows, self.max_pages, self.spare_row,
             self.backend,
         )
 
@@ -240,20 +240,20 @@ class ModelRunner:
             self._score_chunk(Chunk(targets, start, pages, score_targets=targets))
         buckets = self.buckets.buckets()
         show = sys.stderr.isatty()
-        for i, (num_tokens, num_seqs) in enumerate(buckets):
-            n = num_tokens // num_seqs
+        for i, (num_tokens, num_rows) in enumerate(buckets):
+            n = num_tokens // num_rows
             dummy = [  # a full batch on every shard
                 Chunk([0] * n, max(0, context - n), [NULL_PAGE] * self.max_pages, shard=s)
                 for s in range(self.num_shards)
-                for _ in range(num_seqs)
+                for _ in range(num_rows)
             ]
-            self._run(dummy, (num_tokens, num_seqs))  # compile
+            self._run(dummy, (num_tokens, num_rows))  # compile
             times = []
             for _ in range(repeats):
                 start = time.perf_counter()
-                self._run(dummy, (num_tokens, num_seqs))
+                self._run(dummy, (num_tokens, num_rows))
                 times.append(time.perf_counter() - start)
-            self.step_times[(num_tokens, num_seqs)] = float(np.median(times))
+            self.step_times[(num_tokens, num_rows)] = float(np.median(times))
             if show:
                 print(
                     f"\rwarm-up: {i + 1}/{len(buckets)} buckets compiled",
@@ -267,7 +267,7 @@ class ModelRunner:
     def max_batch_under(self, tpot_slo_s: float, fraction: float = 0.6) -> int:
         """Largest row count whose slowest bucket stays under `fraction` of the TPOT SLO."""
         best = 0
-        for seqs in self.buckets.seq_sizes:
+        for seqs in self.buckets.row_sizes:
             worst = max(t for (_, s), t in self.step_times.items() if s == seqs)
             if worst <= fraction * tpot_slo_s:
                 best = seqs

@@ -2,8 +2,8 @@
 
 Rows draw from their own key, `fold_in(PRNGKey(seed), num_generated)`, so a
 seeded request gives the same tokens whatever else shares its batch. Penalties
-read a per-slot record of output-token counts and prompt tokens that lives on
-the device and is updated inside the step (a slot is a stable batch position of
+read a per-row record of output-token counts and prompt tokens that lives on
+the device and is updated inside the step (a row is a stable batch position of
 one running sequence).
 """
 
@@ -20,46 +20,46 @@ from jaxserve.config import MAX_LOGPROBS
 class SamplingTensors:
     """Per-row sampling parameters, padded to the batch's row count."""
 
-    temperature: jax.Array  # f32[num_seqs]; 0 = greedy
-    top_k: jax.Array  # i32[num_seqs]; 0 = off
-    top_p: jax.Array  # f32[num_seqs]; 1 = off
-    min_p: jax.Array  # f32[num_seqs]; 0 = off
-    presence_penalty: jax.Array  # f32[num_seqs]
-    frequency_penalty: jax.Array  # f32[num_seqs]
-    repetition_penalty: jax.Array  # f32[num_seqs]; 1 = off
-    seeds: jax.Array  # u32[num_seqs]
-    counters: jax.Array  # i32[num_seqs] tokens generated so far (the key's fold-in)
-    slots: jax.Array  # i32[num_seqs] penalty slot of each row; padding -> the spare slot
-    first_chunk: jax.Array  # bool[num_seqs] the row starts its sequence: clear its slot
-    samples: jax.Array  # bool[num_seqs] the row's token counts as generated
-    prompt_slots: jax.Array  # i32[num_tokens] slot of each prompt token; others -> spare
-    logprobs: jax.Array  # i32[num_seqs] alternatives the row asks for; -1: no logprobs
+    temperature: jax.Array  # f32[num_rows]; 0 = greedy
+    top_k: jax.Array  # i32[num_rows]; 0 = off
+    top_p: jax.Array  # f32[num_rows]; 1 = off
+    min_p: jax.Array  # f32[num_rows]; 0 = off
+    presence_penalty: jax.Array  # f32[num_rows]
+    frequency_penalty: jax.Array  # f32[num_rows]
+    repetition_penalty: jax.Array  # f32[num_rows]; 1 = off
+    seeds: jax.Array  # u32[num_rows]
+    counters: jax.Array  # i32[num_rows] tokens generated so far (the key's fold-in)
+    rows: jax.Array  # i32[num_rows] each row's request's penalty row; padding -> the spare
+    first_chunk: jax.Array  # bool[num_rows] the row starts its request: clear its penalty row
+    samples: jax.Array  # bool[num_rows] the row's token counts as generated
+    prompt_rows: jax.Array  # i32[num_tokens] penalty row of each prompt token; others -> spare
+    logprobs: jax.Array  # i32[num_rows] alternatives the row asks for; -1: no logprobs
 
 
 @jax.tree_util.register_dataclass
 @dataclass(frozen=True, slots=True)
 class PenaltyState:
-    """What the penalties need to know of each slot's sequence so far."""
+    """What the penalties need to know of each row's request so far."""
 
-    output_counts: jax.Array  # f32[num_slots + 1, vocab] generated-token counts
-    prompt_mask: jax.Array  # bool[num_slots + 1, vocab] tokens present in the prompt
+    output_counts: jax.Array  # f32[num_rows + 1, vocab] generated-token counts
+    prompt_mask: jax.Array  # bool[num_rows + 1, vocab] tokens present in the prompt
 
 
-def init_penalty_state(num_slots: int, vocab_size: int) -> PenaltyState:
-    """Zeroed state; the last slot is a spare that padding rows read and write."""
-    shape = (num_slots + 1, vocab_size)
+def init_penalty_state(num_rows: int, vocab_size: int) -> PenaltyState:
+    """Zeroed state; the last row is a spare that padding rows read and write."""
+    shape = (num_rows + 1, vocab_size)
     return PenaltyState(jnp.zeros(shape, jnp.float32), jnp.zeros(shape, bool))
 
 
 def record_prompt(
     state: PenaltyState, params: SamplingTensors, token_ids: jax.Array
 ) -> PenaltyState:
-    """Clear the slots of sequences that start now, then mark this step's prompt tokens."""
+    """Clear the penalty rows of requests that start now, then mark this step's prompt tokens."""
     spare = state.output_counts.shape[0] - 1
-    cleared = jnp.where(params.first_chunk, params.slots, spare)
+    cleared = jnp.where(params.first_chunk, params.rows, spare)
     counts = state.output_counts.at[cleared].set(0.0)
     mask = state.prompt_mask.at[cleared].set(False)
-    return PenaltyState(counts, mask.at[params.prompt_slots, token_ids].set(True))
+    return PenaltyState(counts, mask.at[params.prompt_rows, token_ids].set(True))
 
 
 def record_output(
@@ -67,18 +67,18 @@ def record_output(
 ) -> PenaltyState:
     """Count each sampled token of rows that sample."""
     spare = state.output_counts.shape[0] - 1
-    slots = jnp.where(params.samples, params.slots, spare)
-    return PenaltyState(state.output_counts.at[slots, tokens].add(1.0), state.prompt_mask)
+    rows = jnp.where(params.samples, params.rows, spare)
+    return PenaltyState(state.output_counts.at[rows, tokens].add(1.0), state.prompt_mask)
 
 
 def apply_penalties(
-    logits: jax.Array,  # f32[num_seqs, vocab]
+    logits: jax.Array,  # f32[num_rows, vocab]
     state: PenaltyState,
     params: SamplingTensors,
 ) -> jax.Array:
     """vLLM's penalties: repetition (prompt and output tokens), presence and frequency (output)."""
-    counts = state.output_counts[params.slots]
-    seen = state.prompt_mask[params.slots] | (counts > 0)
+    counts = state.output_counts[params.rows]
+    seen = state.prompt_mask[params.rows] | (counts > 0)
     rep = params.repetition_penalty[:, None]
     logits = jnp.where(seen, jnp.where(logits > 0, logits / rep, logits * rep), logits)
     logits = logits - params.frequency_penalty[:, None] * counts
@@ -95,24 +95,24 @@ def any_penalty(params: SamplingTensors) -> jax.Array:  # bool[]
 
 
 def _top_k_top_p_keep(
-    scaled: jax.Array,  # f32[num_seqs, vocab]
+    scaled: jax.Array,  # f32[num_rows, vocab]
     params: SamplingTensors,
-) -> jax.Array:  # bool[num_seqs, vocab]
+) -> jax.Array:  # bool[num_rows, vocab]
     """Tokens inside each row's top-k and top-p (the smallest prefix whose mass reaches p)."""
-    num_seqs, vocab = scaled.shape
+    num_rows, vocab = scaled.shape
     order = jnp.argsort(-scaled, axis=-1)  # descending
     sorted_logits = jnp.take_along_axis(scaled, order, axis=-1)
     top_k = jnp.where(params.top_k > 0, params.top_k, vocab)
     keep = jnp.arange(vocab)[None, :] < top_k[:, None]
     probs = jax.nn.softmax(jnp.where(keep, sorted_logits, -jnp.inf), axis=-1)
     keep &= jnp.cumsum(probs, axis=-1) - probs < params.top_p[:, None]  # top token stays
-    return jnp.zeros_like(keep).at[jnp.arange(num_seqs)[:, None], order].set(keep)
+    return jnp.zeros_like(keep).at[jnp.arange(num_rows)[:, None], order].set(keep)
 
 
 def sample(
-    logits: jax.Array,  # f32[num_seqs, vocab], penalties already applied
+    logits: jax.Array,  # f32[num_rows, vocab], penalties already applied
     params: SamplingTensors,
-) -> jax.Array:  # i32[num_seqs]
+) -> jax.Array:  # i32[num_rows]
     """The next token of every row.
 
     What costs is done only when some row needs it: the draw when a row is not
@@ -126,8 +126,8 @@ def sample(
     return jnp.where(params.temperature > 0, drawn, greedy)
 
 
-def argmax(x: jax.Array, block: int = 128) -> jax.Array:  # i32[num_seqs]
-    """`jnp.argmax(x, axis=-1)` of f32[num_seqs, vocab], the same index (the first maximum).
+def argmax(x: jax.Array, block: int = 128) -> jax.Array:  # i32[num_rows]
+    """`jnp.argmax(x, axis=-1)` of f32[num_rows, vocab], the same index (the first maximum).
 
     XLA:CPU runs an argmax reduction one element at a time (~0.9 ms for 8 rows of a
     49k vocabulary); a max over blocks, then an argmax inside the winning block, is
@@ -135,11 +135,11 @@ def argmax(x: jax.Array, block: int = 128) -> jax.Array:  # i32[num_seqs]
     index; padding is -inf, which never wins (an all -inf row gives 0, like argmax).
     A NaN counts as the maximum, as in argmax (the vectorized max may drop NaNs).
     """
-    num_seqs, vocab = x.shape
+    num_rows, vocab = x.shape
     x = jnp.where(jnp.isnan(x), jnp.inf, x)
     num_blocks = -(-vocab // block)
     padded = jnp.pad(x, ((0, 0), (0, num_blocks * block - vocab)), constant_values=-jnp.inf)
-    blocks = padded.reshape(num_seqs, num_blocks, block)
+    blocks = padded.reshape(num_rows, num_blocks, block)
     b = jnp.argmax(blocks.max(-1), axis=-1)
     inner = jnp.argmax(jnp.take_along_axis(blocks, b[:, None, None], axis=1)[:, 0], axis=-1)
     return (b * block + inner).astype(jnp.int32)
@@ -170,10 +170,10 @@ def _draw(logits: jax.Array, params: SamplingTensors) -> jax.Array:
 
 
 def _inverse_cdf(
-    weights: jax.Array,  # f32[num_seqs, vocab] >= 0, some positive in each row
-    uniform: jax.Array,  # f32[num_seqs] in [0, 1)
+    weights: jax.Array,  # f32[num_rows, vocab] >= 0, some positive in each row
+    uniform: jax.Array,  # f32[num_rows] in [0, 1)
     block: int = 256,
-) -> jax.Array:  # i32[num_seqs]
+) -> jax.Array:  # i32[num_rows]
     """The token where each row's cumulative weight passes uniform × its total.
 
     One uniform per row instead of a Gumbel draw per token (a categorical over a
@@ -181,10 +181,10 @@ def _inverse_cdf(
     blocks of `block` tokens, then inside the chosen block. Zero-weight tokens are
     never chosen.
     """
-    num_seqs, vocab = weights.shape
+    num_rows, vocab = weights.shape
     num_blocks = -(-vocab // block)
     padded = jnp.pad(weights, ((0, 0), (0, num_blocks * block - vocab)))
-    blocks = padded.reshape(num_seqs, num_blocks, block)
+    blocks = padded.reshape(num_rows, num_blocks, block)
     block_sums = blocks.sum(-1)
     ends = jnp.cumsum(block_sums, axis=-1)
     target = uniform * ends[:, -1]
@@ -206,13 +206,13 @@ def _last_positive(x: jax.Array) -> jax.Array:
 
 
 def token_logprobs(
-    logits: jax.Array,  # f32[num_seqs, vocab], the model's raw logits
-    tokens: jax.Array,  # i32[num_seqs]
+    logits: jax.Array,  # f32[num_rows, vocab], the model's raw logits
+    tokens: jax.Array,  # i32[num_rows]
     alternatives: jax.Array | bool = True,  # also the top MAX_LOGPROBS (else zeros)
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Log-probability of each chosen token and the MAX_LOGPROBS most likely alternatives.
 
-    Returns (f32[num_seqs], i32[num_seqs, MAX_LOGPROBS], f32[num_seqs, MAX_LOGPROBS]).
+    Returns (f32[num_rows], i32[num_rows, MAX_LOGPROBS], f32[num_rows, MAX_LOGPROBS]).
     Like vLLM, these are the model's own probabilities, before penalties or filters.
     The top-k over the vocabulary is the costly part: it runs only if `alternatives`.
     The log-softmax is taken only where read (the chosen and top entries): written
@@ -237,7 +237,7 @@ def token_logprobs(
 
 
 def top_k(x: jax.Array, k: int, block: int = 256) -> tuple[jax.Array, jax.Array]:
-    """`jax.lax.top_k(x, k)` of f32[num_seqs, vocab]: the same values and indices.
+    """`jax.lax.top_k(x, k)` of f32[num_rows, vocab]: the same values and indices.
 
     XLA:CPU's top-k over a 49k vocabulary costs ~1.3 ms for 8 rows. The k largest
     entries lie in the k blocks with the largest maxima, so a top-k over block
@@ -245,14 +245,14 @@ def top_k(x: jax.Array, k: int, block: int = 256) -> tuple[jax.Array, jax.Array]
     blocks are taken in index order, so ties resolve to the lower index as in
     `lax.top_k`.
     """
-    num_seqs, vocab = x.shape
+    num_rows, vocab = x.shape
     if vocab <= 4 * k * block:
         return jax.lax.top_k(x, k)
     num_blocks = -(-vocab // block)
     padded = jnp.pad(x, ((0, 0), (0, num_blocks * block - vocab)), constant_values=-jnp.inf)
-    blocks = padded.reshape(num_seqs, num_blocks, block)
+    blocks = padded.reshape(num_rows, num_blocks, block)
     chosen = jnp.sort(jax.lax.top_k(blocks.max(-1), k)[1], axis=-1)
-    candidates = jnp.take_along_axis(blocks, chosen[:, :, None], axis=1).reshape(num_seqs, -1)
+    candidates = jnp.take_along_axis(blocks, chosen[:, :, None], axis=1).reshape(num_rows, -1)
     values, inner = jax.lax.top_k(candidates, k)
     ids = jnp.take_along_axis(chosen, inner // block, axis=-1) * block + inner % block
     return values, ids

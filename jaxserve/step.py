@@ -70,7 +70,7 @@ def _step(
 ) -> tuple[jax.Array, KVCache, PenaltyState]:
     """One forward pass; sample the next token of every row and score it.
 
-    Returns f32[num_seqs, RESULT_WIDTH] results (laid out as `StepResults` reads
+    Returns f32[num_rows, RESULT_WIDTH] results (laid out as `StepResults` reads
     them), the cache and the penalty state.
     """
     logits, kv_cache = _forward(

@@ -19,7 +19,7 @@ def test_geometric_sizes_end_at_the_limit():
     assert buckets.geometric(1, 10, 1.5) == (1, 2, 3, 5, 8, 10)
     assert buckets.geometric(1, 1, 4.0) == (1,)
     tables = buckets.candidate_tables(8, 48)
-    assert all(t.max_tokens >= 48 and t.max_seqs >= 8 for t in tables.values())
+    assert all(t.max_tokens >= 48 and t.max_rows >= 8 for t in tables.values())
 
 
 def test_replay_counts_padding_exactly():

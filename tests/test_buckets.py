@@ -11,7 +11,7 @@ from jaxserve.config import EngineConfig
 
 def test_parse_and_choose():
     table = BucketTable.parse("1,8,64:1,8")
-    assert (table.token_sizes, table.seq_sizes) == ((1, 8, 64), (1, 8))
+    assert (table.token_sizes, table.row_sizes) == ((1, 8, 64), (1, 8))
     assert table.buckets() == [(1, 1), (8, 1), (64, 1), (8, 8), (64, 8)]
     assert table.choose(3, 2) == (8, 8)
     assert table.choose(9, 1) == (64, 1)
@@ -20,7 +20,7 @@ def test_parse_and_choose():
 @pytest.mark.parametrize(
     ("spec", "message"),
     [("1,8,64", "TOKEN_SIZES:ROW_SIZES"), ("1,x:1", "TOKEN_SIZES:ROW_SIZES"),
-     ("8,1:1", "token_sizes must be increasing"), ("1,8:0,4", "seq_sizes must be increasing"),
+     ("8,1:1", "token_sizes must be increasing"), ("1,8:0,4", "row_sizes must be increasing"),
      (":1", "TOKEN_SIZES:ROW_SIZES")],
 )
 def test_parse_rejects(spec, message):

@@ -43,7 +43,7 @@ def test_prefill_and_decode_logits_match(kind, backend, tmp_path):
     kv = init_kv_cache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 40, PAGE_SIZE)
 
     chunks = [Chunk(p, 0, pg) for p, pg in zip(prompts, pages)]
-    inputs = pack_step(chunks, PAGE_SIZE, 32, 4, 8, spare_slot=4, attention_backend=backend)
+    inputs = pack_step(chunks, PAGE_SIZE, 32, 4, 8, spare_row=4, attention_backend=backend)
     all_tokens = np.arange(sum(len(p) for p in prompts), dtype=np.int32)
     meta = dataclasses.replace(inputs.metadata, logits_indices=all_tokens)
     logits, kv = forward(graphdef, state, kv, inputs.token_ids, inputs.positions, meta)
@@ -54,7 +54,7 @@ def test_prefill_and_decode_logits_match(kind, backend, tmp_path):
     for _ in range(3):
         nxt = [int(rng.integers(cfg.vocab_size)) for _ in prompts]
         chunks = [Chunk([t], len(p), pg) for t, p, pg in zip(nxt, prompts, pages)]
-        inputs = pack_step(chunks, PAGE_SIZE, 4, 4, 8, spare_slot=4, attention_backend=backend)
+        inputs = pack_step(chunks, PAGE_SIZE, 4, 4, 8, spare_row=4, attention_backend=backend)
         logits, kv = forward(
             graphdef, state, kv, inputs.token_ids, inputs.positions, inputs.metadata
         )

@@ -22,7 +22,7 @@ from jaxserve.sampling import (
 
 
 def rows(n, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seeds=None, counters=None,
-         presence=0.0, frequency=0.0, repetition=1.0, slots=None, num_tokens=1):
+         presence=0.0, frequency=0.0, repetition=1.0, rows=None, num_tokens=1):
     def full(value, dtype):
         return np.full(n, value, dtype)
 
@@ -36,10 +36,10 @@ def rows(n, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seeds=None, counters
         repetition_penalty=full(repetition, np.float32),
         seeds=np.asarray(seeds if seeds is not None else [0] * n, np.uint32),
         counters=np.asarray(counters if counters is not None else [0] * n, np.int32),
-        slots=np.asarray(slots if slots is not None else range(n), np.int32),
+        rows=np.asarray(rows if rows is not None else range(n), np.int32),
         first_chunk=full(False, bool),
         samples=full(True, bool),
-        prompt_slots=np.full(num_tokens, n, np.int32),
+        prompt_rows=np.full(num_tokens, n, np.int32),
         logprobs=full(-1, np.int32),
     )
 
@@ -118,11 +118,11 @@ def test_penalties_follow_vllm_formulas():
     vocab = 6
     state = init_penalty_state(2, vocab)
     params = rows(2, presence=0.5, frequency=0.25, repetition=2.0, num_tokens=2)
-    # slot 0's prompt holds token 1; slot 0 has generated token 2 twice
+    # row 0's prompt holds token 1; row 0 has generated token 2 twice
     params = SamplingTensors(**{
         **{f: getattr(params, f) for f in params.__dataclass_fields__},
         "first_chunk": np.array([True, True]),
-        "prompt_slots": np.array([0, 2], np.int32),
+        "prompt_rows": np.array([0, 2], np.int32),
     })
     state = record_prompt(state, params, jnp.array([1, 4]))
     for _ in range(2):
@@ -131,7 +131,7 @@ def test_penalties_follow_vllm_formulas():
     got = np.asarray(apply_penalties(logits, state, params))
     # row 0: token 1 (prompt) 1/2; token 2 (output x2) 1/2 - 0.25*2 - 0.5
     np.testing.assert_allclose(got[0], [1.0, 0.5, 0.5 - 0.5 - 0.5, -1.0, 1.0, 1.0])
-    # row 1: token 4 went to the spare slot (2), token 5 generated twice
+    # row 1: token 4 went to the spare row (2), token 5 generated twice
     np.testing.assert_allclose(got[1], [1.0, 1.0, 1.0, -1.0, 1.0, 0.5 - 0.5 - 0.5])
 
 

@@ -466,7 +466,7 @@ def _logits_over_steps(model, mesh=None) -> tuple[np.ndarray, object]:
     )
     out = []
     for chunks in steps:
-        inputs = pack_step(chunks, PAGE_SIZE, 32, 4, 8, spare_slot=4)
+        inputs = pack_step(chunks, PAGE_SIZE, 32, 4, 8, spare_row=4)
         n = sum(len(c.token_ids) for c in chunks)
         meta = dataclasses.replace(inputs.metadata, logits_indices=np.arange(n, dtype=np.int32))
         logits, kv = run(graphdef, state, kv, inputs.token_ids, inputs.positions, meta)

@@ -51,7 +51,7 @@ def test_prompt_logits_match(llm, hf_model):
 
     runner = llm.runner
     ids = llm.tokenizer.encode(PROMPTS[2])
-    inputs = pack_step([Chunk(ids, 0, [1, 2])], runner.page_size, 16, 1, 2, runner.spare_slot)
+    inputs = pack_step([Chunk(ids, 0, [1, 2])], runner.page_size, 16, 1, 2, runner.spare_row)
     every_token = np.arange(len(ids), dtype=np.int32)
     meta = dataclasses.replace(inputs.metadata, logits_indices=every_token)
     logits, runner.kv_cache = forward(

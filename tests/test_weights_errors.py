@@ -137,7 +137,7 @@ def last_logits(model: nnx.Module, prompts: list[list[int]]) -> np.ndarray:
     kv = init_kv_cache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 16, PAGE_SIZE)
     pages = [[3, 1], [5, 2], [9, 4, 7]]
     chunks = [Chunk(p, 0, pg) for p, pg in zip(prompts, pages)]
-    inputs = pack_step(chunks, PAGE_SIZE, num_tokens=16, num_seqs=4, max_pages=4, spare_slot=4)
+    inputs = pack_step(chunks, PAGE_SIZE, num_tokens=16, num_rows=4, max_pages=4, spare_row=4)
     logits, _ = forward(graphdef, state, kv, inputs.token_ids, inputs.positions, inputs.metadata)
     return np.asarray(logits)[: len(prompts)]
 
