@@ -15,6 +15,8 @@ from serving import ROOT, running_server, save_tiny_chat_model
 sys.path.insert(0, str(ROOT / "bench"))
 import serve
 
+pytestmark = pytest.mark.slow  # starts servers or multi-device processes
+
 SMALL = ["--max-batch", "4", "--token-budget", "32", "--num-pages", "256"]
 
 

@@ -33,13 +33,31 @@ def test_kernels_import_jax_and_numpy_only(path):
 
 @pytest.mark.parametrize("path", files("jaxserve/models"), ids=lambda p: p.name)
 def test_models_know_nothing_of_requests(path):
-    forbidden = ("jaxserve.scheduler", "jaxserve.engine", "jaxserve.sequence", "server")
+    forbidden = ("jaxserve.scheduler", "jaxserve.engine", "jaxserve.request", "server")
     assert not [m for m in imported_modules(path) if m.startswith(forbidden)]
 
 
 @pytest.mark.parametrize("path", files("server"), ids=lambda p: p.name)
 def test_server_does_not_touch_jax(path):
     assert not [m for m in imported_modules(path) if m.split(".")[0] in ("jax", "flax")]
+
+
+HOST_MODULES = (
+    "request", "scheduler", "page_allocator", "plan", "results", "output_text", "stream",
+    "engine", "buckets", "planner",
+)
+
+
+def test_the_host_side_imports_no_jax():
+    """The request record, the scheduler and the rest of the host side load without jax,
+    directly or through anything they import."""
+    modules = ", ".join(f"jaxserve.{m}" for m in HOST_MODULES)
+    check = f"import sys, {modules}; print(sorted(m for m in sys.modules if m.split('.')[0] "
+    check += "in ('jax', 'jaxlib', 'flax')))"
+    result = subprocess.run([sys.executable, "-c", check], cwd=ROOT, capture_output=True,
+                            text=True)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]"
 
 
 def test_ruff_is_clean():

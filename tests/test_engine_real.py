@@ -70,6 +70,7 @@ def test_chunked_prefill_gives_the_same_tokens(llm, smollm2_gguf):
     assert chunked.token_ids == whole.token_ids
 
 
+@pytest.mark.slow
 def test_no_compile_after_warmup_over_200_mixed_requests(tmp_path, smollm2_gguf):
     save_random_model("llama-gqa-tied", tmp_path / "model")
     Tokenizer.from_gguf(smollm2_gguf).save(tmp_path / "model")  # prompts are ids < 256
@@ -91,6 +92,7 @@ def test_no_compile_after_warmup_over_200_mixed_requests(tmp_path, smollm2_gguf)
     assert llm.runner.compiles_after_warmup == 0
 
 
+@pytest.mark.slow
 def test_tpot_slo_caps_the_batch_from_warmup_step_times(tmp_path, smollm2_gguf):
     save_random_model("llama-gqa-tied", tmp_path / "model")
     Tokenizer.from_gguf(smollm2_gguf).save(tmp_path / "model")

@@ -6,7 +6,10 @@ import os
 import subprocess
 import sys
 
+import pytest
 from serving import ROOT  # also puts bench/ on sys.path
+
+pytestmark = pytest.mark.slow  # starts servers or multi-device processes
 
 PARTS = ("env", "kernels", "engine", "serving")
 

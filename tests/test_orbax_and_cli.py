@@ -4,6 +4,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 from flax import nnx
 from hf_models import save_random_model
 
@@ -12,6 +13,7 @@ from jaxserve.cli import main
 from jaxserve.loader import load
 
 
+@pytest.mark.slow
 def test_convert_then_restore_gives_identical_params_and_tokens(smollm2_gguf, tmp_path):
     src = tmp_path / "hf"
     save_random_model("qwen2-bias", src)
@@ -35,6 +37,7 @@ def test_convert_then_restore_gives_identical_params_and_tokens(smollm2_gguf, tm
     assert restored_llm.generate([[5, 6, 7]], params)[0].token_ids == want
 
 
+@pytest.mark.slow
 def test_cli_generate_answers_the_capital_of_france(smollm2_gguf):
     out = subprocess.run(
         [sys.executable, "-m", "jaxserve.cli", "generate", "What is the capital of France?",

@@ -55,6 +55,7 @@ def run_interleaved(llm: LLM, order: list[int], rng: random.Random) -> dict[str,
     return results
 
 
+@pytest.mark.slow
 def test_outputs_equal_the_uncached_ones_in_many_orders(cached_llm, reference):
     rng = random.Random(0)
     hits_before = cached_llm.scheduler.prefix_hits

@@ -8,6 +8,8 @@ import openai
 import pytest
 from serving import running_server, save_tiny_chat_model
 
+pytestmark = pytest.mark.slow  # starts servers or multi-device processes
+
 MODEL = "SmolLM2-135M-Instruct.Q4_1"
 SMALL = ["--max-batch", "4", "--token-budget", "32", "--num-pages", "256"]
 

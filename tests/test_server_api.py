@@ -18,6 +18,8 @@ from serving import running_server
 
 from jaxserve.tokenizer import Tokenizer
 
+pytestmark = pytest.mark.slow  # starts servers or multi-device processes
+
 FLAGS = ["--max-batch", "8", "--token-budget", "64", "--num-pages", "512", "--max-model-len", "512"]
 MODEL = "tiny"
 KEY = "sk-main"  # --api-key: the default tenant, admin

@@ -16,6 +16,8 @@ import urllib.request
 import pytest
 from serving import running_server
 
+pytestmark = pytest.mark.slow  # starts servers or multi-device processes
+
 FLAGS = ["--max-batch", "8", "--token-budget", "64", "--num-pages", "512", "--max-model-len", "512"]
 MODEL = "tiny"
 MAX_BODY = 4096

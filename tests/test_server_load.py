@@ -24,6 +24,8 @@ import aiohttp
 import pytest
 from serving import running_server
 
+pytestmark = pytest.mark.slow  # starts servers or multi-device processes
+
 FLAGS = ["--max-batch", "8", "--token-budget", "64", "--num-pages", "512", "--max-model-len", "512"]
 MODEL = "tiny"
 MAX_BATCH = 8

@@ -22,6 +22,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+pytestmark = pytest.mark.slow  # starts servers or multi-device processes
+
 HERE = Path(__file__).resolve().parent
 MESHES = [(8, 1), (4, 2), (2, 4)]  # (tp, dp)
 
