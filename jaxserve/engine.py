@@ -279,6 +279,23 @@ class Engine:
         """Requests not yet admitted: queued in the scheduler or not yet taken in."""
         return list(self.scheduler.waiting) + list(self._inbox)
 
+    def must_wait(self) -> list[Request]:
+        """The waiting requests that the next step cannot admit: past the free rows or
+        pages, or of a tenant at its row cap (read from another thread: an estimate)."""
+        scheduler = self.scheduler
+        rows = sum(len(free) for free in scheduler.free_rows)
+        pages = scheduler.num_pages_free + scheduler.num_pages_cached
+        cap, held = scheduler.row_cap(), dict(scheduler.running_per_tenant)
+        waiting = []
+        for request in self.waiting_requests():
+            need = scheduler.pages_needed(request)
+            if rows and need <= pages and held.get(request.tenant, 0) < cap:
+                rows, pages = rows - 1, pages - need
+                held[request.tenant] = held.get(request.tenant, 0) + 1
+            else:
+                waiting.append(request)
+        return waiting
+
     def live_requests(self) -> list[LiveRequest]:
         now = time.monotonic()
         return [

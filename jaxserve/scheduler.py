@@ -121,8 +121,10 @@ class Scheduler:
     def add(self, request: Request) -> None:
         self.check(request)
         self.waiting.append(request)
-        last = self.last_arrival.get(request.tenant, request.arrival_time)
-        self.last_arrival[request.tenant] = max(last, request.arrival_time)
+        horizon = request.arrival_time - ACTIVE_WINDOW_S
+        active = {t: a for t, a in self.last_arrival.items() if a >= horizon}
+        active[request.tenant] = max(active.get(request.tenant, 0.0), request.arrival_time)
+        self.last_arrival = active  # one assignment: readers on other threads see either
 
     def finish(self, request_id: str) -> None:
         """Drop a finished or cancelled request, freeing its pages and row at once."""
@@ -170,11 +172,11 @@ class Scheduler:
         return chunks
 
     def row_cap(self) -> int:
-        """Rows one tenant may hold now: all of them unless other tenants are active."""
+        """Rows one tenant may hold now: all of them unless other tenants are active.
+        Reads only, so the server's thread may ask too."""
         horizon = time.monotonic() - ACTIVE_WINDOW_S
-        self.last_arrival = {t: a for t, a in self.last_arrival.items() if a >= horizon}
         rows = self.max_batch * self.num_shards
-        if len(self.last_arrival) < 2:
+        if sum(a >= horizon for a in list(self.last_arrival.values())) < 2:
             return rows
         return max(1, rows - self.reserved_rows)
 

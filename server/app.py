@@ -93,6 +93,7 @@ class Server:
         self.ready = False
         self.draining = False
         self.load_error: str | None = None
+        self.estimated_admission_rate = 0.0  # from the warm-up, until admissions are measured
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -110,6 +111,7 @@ class Server:
             path = llm.model_path
             self.model_name = path.stem if path.is_file() else path.name
         llm.engine.on_step = lambda out, seconds: self.metrics.step_seconds.observe(seconds)
+        self.estimated_admission_rate = self._estimate_admission_rate(llm)
         self.metrics.bind(llm.engine, llm.runner)
         # The ~400k objects that loading and compiling leave behind live as long as the
         # server: frozen, the collector never scans them again. Unfrozen, each full
@@ -119,6 +121,15 @@ class Server:
         self.llm = llm
         self.ready = True
         log.info("ready: %s, %d buckets compiled", self.model_name, len(llm.runner.step_times))
+
+    def _estimate_admission_rate(self, llm) -> float:
+        """Admissions a second before any are measured: a full batch of decode rows, at
+        the warm-up's step time for it, each generating a chat answer's default length."""
+        rows = llm.scheduler.max_batch
+        step_s = llm.runner.step_times.get(llm.runner.buckets.choose(rows, rows))
+        if not step_s:
+            return 0.0
+        return llm.scheduler.num_shards * rows / (step_s * self.config.default_chat_max_tokens)
 
     async def drain(self) -> None:
         """Refuse new work (503), let live requests finish, cancel what is left."""
@@ -265,14 +276,15 @@ class Server:
         self.tenants.check_limits(policy, max(len(p) for p in prompts), params.max_tokens)
         count = len(prompts) * req.n
         try:
-            waiting = engine.waiting_requests()
+            waiting = engine.must_wait()
             self.config.queue.admit(
                 len(waiting),
                 sum(len(r.prompt_ids) for r in waiting),
                 count,
                 sum(len(p) for p in prompts) * req.n,
-                engine.admission_rate(),
+                engine.admission_rate() or self.estimated_admission_rate,
                 tenant_queued=sum(r.tenant == policy.name for r in waiting),
+                shared=any(r.tenant != policy.name for r in list(engine.requests.values())),
             )
             self.tenants.acquire(policy, count)
         except APIError as e:
