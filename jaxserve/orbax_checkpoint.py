@@ -19,7 +19,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from jaxserve.config import ModelConfig, RopeScaling
-from jaxserve.models import get_model_spec
+from jaxserve.models import get_model_spec, param_axes
 from jaxserve.sharding import map_params, param_sharding
 from jaxserve.tokenizer import Tokenizer
 
@@ -64,8 +64,10 @@ def restore(
     abstract = nnx.eval_shape(lambda: spec.build(config, nnx.Rngs(0), dtype))
     graphdef, state = nnx.split(abstract)
 
+    axes = param_axes(config) if mesh is not None else {}
+
     def abstract_param(name: str, x: jax.ShapeDtypeStruct) -> jax.ShapeDtypeStruct:
-        sharding = None if mesh is None else param_sharding(mesh, name, x.shape)
+        sharding = None if mesh is None else param_sharding(mesh, axes[name], x.shape)
         return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
 
     target = nnx.to_pure_dict(map_params(abstract_param, state))

@@ -29,6 +29,7 @@ from jaxserve.attention import select_backend
 from jaxserve.batch import pack_step
 from jaxserve.buckets import BucketTable
 from jaxserve.kv_cache import init_kv_cache
+from jaxserve.models import param_axes
 from jaxserve.multihost import SCORE, STEP, StepChannel, is_leader
 from jaxserve.page_allocator import NULL_PAGE
 from jaxserve.plan import Chunk, StepPlan
@@ -95,7 +96,9 @@ class ModelRunner:
         self.num_shards = 1 if mesh is None else mesh.shape[DATA]
         pool = num_pages * self.num_shards
         kv_shape = (cfg.num_layers, cfg.num_kv_heads, pool, page_size, cfg.head_dim)
-        self.layout = None if mesh is None else Layout.build(mesh, self.state, kv_shape)
+        self.layout = None if mesh is None else Layout.build(
+            mesh, self.state, kv_shape, param_axes(cfg)
+        )
         self.kv_cache = init_kv_cache(
             cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, pool, page_size, dtype,
             None if self.layout is None else self.layout.kv_cache.k,

@@ -1,10 +1,10 @@
 """Mesh construction and partition rules: parallelism as a transformation of the model state.
 
 The mesh has two axes: "data" (dp) and "model" (tp, the minor axis, so one
-tensor-parallel group is adjacent devices). Layers never see it. Each parameter
-and the KV cache are given logical axis names by the tables below, keyed by
-parameter path; `RULES` maps logical names to mesh axes. One rule decides every
-dimension:
+tensor-parallel group is adjacent devices). Layers never see it. Each parameter is
+given logical axis names by its model's weight map (`WeightRule.axes`, keyed by
+parameter path), the KV cache by `KV_AXES`; `RULES` maps logical names to mesh axes.
+One rule decides every dimension:
 
     a dimension is sharded over the mesh axis its logical name maps to when its
     size divides by that axis' size; otherwise that dimension is replicated.
@@ -32,11 +32,11 @@ inputs are the shards' packed batches laid end to end, sharded over "data" too,
 and the step runs under `shard_map` over "data" (the "model" axis stays automatic),
 so a shard's attention reads only its own pages.
 
-Parameters with no entry in the table (a model other than the Llama family) are
-replicated, which is always correct.
+A parameter with no axes is an error (`models.interface.param_axes`), never a
+silent copy on every device.
 """
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import jax
@@ -55,25 +55,6 @@ RULES: dict[str, str] = {
     "kv_heads": MODEL,  # k/v columns (num_kv_heads × head_dim) and the cache's KV-head axis
     "mlp": MODEL,  # the intermediate size
     "pages": DATA,  # the KV pool: one pool per data shard
-}
-
-# parameter path (as in the weight map) -> logical axis of each dimension
-PARAM_AXES: dict[str, tuple[str | None, ...]] = {
-    "embed": ("vocab", "embed"),
-    "lm_head": ("embed", "vocab"),
-    "norm": ("embed",),
-    "layers/input_norm": ("layers", "embed"),
-    "layers/post_norm": ("layers", "embed"),
-    "layers/q_proj": ("layers", "embed", "heads"),
-    "layers/k_proj": ("layers", "embed", "kv_heads"),
-    "layers/v_proj": ("layers", "embed", "kv_heads"),
-    "layers/q_bias": ("layers", "heads"),
-    "layers/k_bias": ("layers", "kv_heads"),
-    "layers/v_bias": ("layers", "kv_heads"),
-    "layers/o_proj": ("layers", "heads", "embed"),
-    "layers/gate_proj": ("layers", "embed", "mlp"),
-    "layers/up_proj": ("layers", "embed", "mlp"),
-    "layers/down_proj": ("layers", "mlp", "embed"),
 }
 
 KV_AXES = ("layers", "kv_heads", "pages", "page_slots", "head_dim")
@@ -113,11 +94,10 @@ def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, PartitionSpec())
 
 
-def param_sharding(mesh: Mesh, path: str, shape: Sequence[int]) -> NamedSharding:
-    """Where parameter `path` ("layers/q_proj") of `shape` lives; replicated if not in the table."""
-    axes = PARAM_AXES.get(path)
-    if axes is None:
-        return replicated(mesh)
+def param_sharding(
+    mesh: Mesh, axes: Sequence[str | None], shape: Sequence[int]
+) -> NamedSharding:
+    """Where a parameter of `shape` with logical `axes` lives."""
     return NamedSharding(mesh, partition_spec(axes, shape, mesh))
 
 
@@ -135,9 +115,12 @@ def map_params(fn: Callable[[str, jax.Array], object], state: nnx.State) -> nnx.
     return nnx.from_flat_state(flat)
 
 
-def state_shardings(mesh: Mesh, state: nnx.State) -> nnx.State:
-    """A tree like `state` (arrays or abstract) holding each parameter's NamedSharding."""
-    return map_params(lambda path, x: param_sharding(mesh, path, x.shape), state)
+def state_shardings(
+    mesh: Mesh, state: nnx.State, axes: Mapping[str, Sequence[str | None]]
+) -> nnx.State:
+    """A tree like `state` (arrays or abstract) holding each parameter's NamedSharding,
+    `axes` giving each parameter path's logical axes."""
+    return map_params(lambda path, x: param_sharding(mesh, axes[path], x.shape), state)
 
 
 @dataclass(frozen=True)
@@ -151,11 +134,14 @@ class Layout:
     data: NamedSharding  # axis 0 over "data": step inputs and the penalty state
 
     @staticmethod
-    def build(mesh: Mesh, state: nnx.State, kv_shape: Sequence[int]) -> "Layout":
+    def build(
+        mesh: Mesh, state: nnx.State, kv_shape: Sequence[int],
+        axes: Mapping[str, Sequence[str | None]],
+    ) -> "Layout":
         kv = kv_sharding(mesh, kv_shape)
         data = NamedSharding(mesh, PartitionSpec(DATA))
         return Layout(
-            mesh, state_shardings(mesh, state), KVCache(kv, kv), replicated(mesh), data
+            mesh, state_shardings(mesh, state, axes), KVCache(kv, kv), replicated(mesh), data
         )
 
 

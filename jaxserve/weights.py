@@ -19,7 +19,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from jaxserve.config import ModelConfig, RopeScaling
-from jaxserve.models import ModelSpec, WeightRule, get_model_spec
+from jaxserve.models import ModelSpec, WeightRule, get_model_spec, param_axes
 from jaxserve.sharding import param_sharding
 
 
@@ -349,6 +349,10 @@ def load_model(
     abstract = nnx.eval_shape(lambda: spec.build(config, nnx.Rngs(0), dtype))
     graphdef, state = nnx.split(abstract)
     rules = spec.weight_map(config)
+    try:
+        axes = param_axes(config)  # every parameter's sharding, checked before any loads
+    except ValueError as e:
+        raise WeightsError(f"{checkpoint.path}: {e}") from None
     flat = []
     for path, variable in nnx.to_flat_state(state):
         name = "/".join(str(p) for p in path)
@@ -359,15 +363,15 @@ def load_model(
         if mesh is None:
             value = jnp.asarray(array, dtype=target.dtype)
         else:
-            value = _place(np.asarray(array, dtype=target.dtype), mesh, name)
+            value = _place(np.asarray(array, dtype=target.dtype), mesh, axes[name])
         flat.append((path, variable.replace(value)))
     return nnx.merge(graphdef, nnx.from_flat_state(flat))
 
 
-def _place(array: np.ndarray, mesh: Mesh, name: str) -> jax.Array:
-    """A host array as a global array sharded by the rules; each device gets its slice
-    (in a multi-process mesh, this process's devices only)."""
-    sharding = param_sharding(mesh, name, array.shape)
+def _place(array: np.ndarray, mesh: Mesh, axes: tuple[str | None, ...]) -> jax.Array:
+    """A host array as a global array sharded by its logical `axes`; each device gets its
+    slice (in a multi-process mesh, this process's devices only)."""
+    sharding = param_sharding(mesh, axes, array.shape)
     return jax.make_array_from_callback(array.shape, sharding, lambda index: array[index])
 
 

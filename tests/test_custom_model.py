@@ -24,6 +24,7 @@ from jaxserve.attention import AttentionMetadata, paged_attention
 from jaxserve.config import ModelConfig
 from jaxserve.kv_cache import KVCache, write_kv
 from jaxserve.models import ModelSpec, WeightRule, register_model
+from jaxserve.weights import WeightsError
 
 VOCAB = 48
 HIDDEN = 32
@@ -117,20 +118,21 @@ class TinyGPT(nnx.Module):
         return (x @ self.wte[...].T).astype(jnp.float32), kv_cache
 
 
-# each Block parameter and its GPT-2 tensor in layer i ("transformer.h.{i}.<tensor>")
+# each Block parameter, its GPT-2 tensor in layer i ("transformer.h.{i}.<tensor>") and its
+# logical axes: the MLP splits over tensor parallelism, the fused qkv stays whole
 BLOCK_TENSORS = {
-    "ln1_scale": "ln_1.weight",
-    "ln1_bias": "ln_1.bias",
-    "qkv": "attn.c_attn.weight",
-    "qkv_bias": "attn.c_attn.bias",
-    "out": "attn.c_proj.weight",
-    "out_bias": "attn.c_proj.bias",
-    "ln2_scale": "ln_2.weight",
-    "ln2_bias": "ln_2.bias",
-    "fc": "mlp.c_fc.weight",
-    "fc_bias": "mlp.c_fc.bias",
-    "proj": "mlp.c_proj.weight",
-    "proj_bias": "mlp.c_proj.bias",
+    "ln1_scale": ("ln_1.weight", ("embed",)),
+    "ln1_bias": ("ln_1.bias", ("embed",)),
+    "qkv": ("attn.c_attn.weight", ("embed", None)),
+    "qkv_bias": ("attn.c_attn.bias", (None,)),
+    "out": ("attn.c_proj.weight", (None, "embed")),
+    "out_bias": ("attn.c_proj.bias", ("embed",)),
+    "ln2_scale": ("ln_2.weight", ("embed",)),
+    "ln2_bias": ("ln_2.bias", ("embed",)),
+    "fc": ("mlp.c_fc.weight", ("embed", "mlp")),
+    "fc_bias": ("mlp.c_fc.bias", ("mlp",)),
+    "proj": ("mlp.c_proj.weight", ("mlp", "embed")),
+    "proj_bias": ("mlp.c_proj.bias", ("embed",)),
 }
 
 
@@ -138,14 +140,14 @@ def tinygpt_weight_map(config: ModelConfig) -> dict[str, WeightRule]:
     """GPT-2's tensor names; its Conv1D weights are already [in, out], so nothing transposes.
     Layers are separate modules, so each layer's tensors get their own rules (no `{layer}`)."""
     rules = {
-        "wte": WeightRule("transformer.wte.weight"),
-        "wpe": WeightRule("transformer.wpe.weight"),
-        "ln_f_scale": WeightRule("transformer.ln_f.weight"),
-        "ln_f_bias": WeightRule("transformer.ln_f.bias"),
+        "wte": WeightRule("transformer.wte.weight", axes=("vocab", "embed")),
+        "wpe": WeightRule("transformer.wpe.weight", axes=(None, "embed")),
+        "ln_f_scale": WeightRule("transformer.ln_f.weight", axes=("embed",)),
+        "ln_f_bias": WeightRule("transformer.ln_f.bias", axes=("embed",)),
     }
     for i in range(config.num_layers):
-        for param, tensor in BLOCK_TENSORS.items():
-            rules[f"blocks/{i}/{param}"] = WeightRule(f"transformer.h.{i}.{tensor}")
+        for param, (tensor, axes) in BLOCK_TENSORS.items():
+            rules[f"blocks/{i}/{param}"] = WeightRule(f"transformer.h.{i}.{tensor}", axes=axes)
     return rules
 
 
@@ -285,3 +287,21 @@ def test_llm_serves_registered_custom_model(weights, tmp_path):
         assert out.token_ids == reference_greedy(weights, out.prompt_token_ids, max_tokens)
         assert out.finish_reason == "length"
         assert out.text.split() == [f"w{t}" for t in out.token_ids]
+
+
+def forgetful_weight_map(config: ModelConfig) -> dict[str, WeightRule]:
+    """tinygpt's map with one parameter's sharding axes left out."""
+    rules = tinygpt_weight_map(config)
+    rules["blocks/0/fc"] = WeightRule(rules["blocks/0/fc"].source)
+    return rules
+
+
+register_model("tinygpt-forgetful", ModelSpec(build=TinyGPT, weight_map=forgetful_weight_map))
+
+
+def test_a_parameter_without_sharding_axes_is_refused_at_load(weights, tmp_path):
+    path = save_model_dir(tmp_path / "model", weights)
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "model_type": "tinygpt-forgetful"}))
+    with pytest.raises(WeightsError, match=r"no sharding axes for \['blocks/0/fc'\]"):
+        LLM(path)

@@ -64,10 +64,16 @@ def abstract_mesh(tp: int, dp: int):
 def test_smollm2_shards_every_layer_weight_but_replicates_its_3_kv_heads(tp):
     from jax.sharding import PartitionSpec as P
 
+    from jaxserve.config import ModelConfig
+    from jaxserve.models import param_axes
     from jaxserve.sharding import DATA, MODEL, kv_sharding, param_sharding
 
     m = SMOLLM2
     mesh = abstract_mesh(tp, 8 // tp)
+    axes = param_axes(ModelConfig(
+        "llama", m["vocab"], m["hidden"], m["ffn"], m["layers"], m["num_heads"],
+        m["num_kv_heads"], m["head_dim"], tie_word_embeddings=True,
+    ))
     q_dim, kv_dim = m["num_heads"] * m["head_dim"], m["num_kv_heads"] * m["head_dim"]
     shapes = {
         "embed": (m["vocab"], m["hidden"]),
@@ -78,7 +84,7 @@ def test_smollm2_shards_every_layer_weight_but_replicates_its_3_kv_heads(tp):
         "layers/down_proj": (m["layers"], m["ffn"], m["hidden"]),
         "layers/input_norm": (m["layers"], m["hidden"]),
     }
-    specs = {name: param_sharding(mesh, name, shape).spec for name, shape in shapes.items()}
+    specs = {name: param_sharding(mesh, axes[name], shape).spec for name, shape in shapes.items()}
     assert specs == {
         "embed": P(MODEL, None),
         "layers/q_proj": P(None, None, MODEL),  # 576 = 9 heads × 64 columns: heads split
@@ -93,15 +99,16 @@ def test_smollm2_shards_every_layer_weight_but_replicates_its_3_kv_heads(tp):
     assert kv_sharding(mesh, kv_shape).spec == P(None, None, DATA, None, None)
 
 
-def test_a_dimension_that_does_not_divide_is_replicated_and_unknown_params_too():
+def test_a_dimension_that_does_not_divide_is_replicated():
     from jax.sharding import PartitionSpec as P
 
     from jaxserve.sharding import DATA, MODEL, kv_sharding, param_sharding
 
     mesh = abstract_mesh(3, 1)
-    assert param_sharding(mesh, "layers/gate_proj", (2, 64, 96)).spec == P(None, None, MODEL)
-    assert param_sharding(mesh, "layers/gate_proj", (2, 64, 128)).spec == P(None, None, None)
-    assert param_sharding(mesh, "blocks/0/qkv", (64, 192)).spec == P()
+    gate = ("layers", "embed", "mlp")
+    assert param_sharding(mesh, gate, (2, 64, 96)).spec == P(None, None, MODEL)
+    assert param_sharding(mesh, gate, (2, 64, 128)).spec == P(None, None, None)
+    assert param_sharding(mesh, (None, "norm"), (64, 192)).spec == P(None, None)
     assert kv_sharding(mesh, (2, 6, 8, 4, 16)).spec == P(None, MODEL, DATA, None, None)
     assert kv_sharding(abstract_mesh(1, 3), (2, 6, 8, 4, 16)).spec == P(
         None, MODEL, None, None, None
@@ -442,6 +449,7 @@ def _logits_over_steps(model, mesh=None) -> tuple[np.ndarray, object]:
 
     from jaxserve.batch import pack_step
     from jaxserve.kv_cache import init_kv_cache
+    from jaxserve.models import param_axes
     from jaxserve.plan import Chunk
     from jaxserve.sharding import Layout
     from jaxserve.step import forward, sharded_forward
@@ -460,7 +468,7 @@ def _logits_over_steps(model, mesh=None) -> tuple[np.ndarray, object]:
     cfg = model.config
     graphdef, state = nnx.split(model)
     kv_shape = (cfg.num_layers, cfg.num_kv_heads, NUM_PAGES, PAGE_SIZE, cfg.head_dim)
-    layout = None if mesh is None else Layout.build(mesh, state, kv_shape)
+    layout = None if mesh is None else Layout.build(mesh, state, kv_shape, param_axes(cfg))
     run = forward if layout is None else sharded_forward(layout)
     kv = init_kv_cache(
         cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, NUM_PAGES, PAGE_SIZE,

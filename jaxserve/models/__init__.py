@@ -6,7 +6,11 @@ from jaxserve.models.interface import (
     ModelSpec,
     WeightRule,
     get_model_spec,
+    param_axes,
     register_model,
 )
 
-__all__ = ["AttentionMetadata", "ModelSpec", "WeightRule", "get_model_spec", "register_model"]
+__all__ = [
+    "AttentionMetadata", "ModelSpec", "WeightRule", "get_model_spec", "param_axes",
+    "register_model",
+]

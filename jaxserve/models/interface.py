@@ -42,15 +42,22 @@ class ServableModel(Protocol):
 
 @dataclass(frozen=True, slots=True)
 class WeightRule:
-    """Where one parameter comes from in a Hugging Face style checkpoint.
+    """Where one parameter comes from in a Hugging Face style checkpoint, and how it is
+    laid out over a device mesh.
 
     `source` names the tensor; a `{layer}` in it marks a per-layer tensor that is
     stacked over layers on a new leading axis (for `jax.lax.scan`). `transpose`
     turns torch's Linear layout [out, in] into the [in, out] kernels used here.
+    `axes` gives each dimension of the parameter a logical axis name, which
+    `sharding.RULES` maps onto the mesh ("vocab", "heads", "kv_heads", "mlp" split
+    over tensor parallelism; None or any other name: replicated). Every parameter
+    needs them: a parameter the rules forgot is an error at load, not a silent copy
+    on every device.
     """
 
     source: str
     transpose: bool = False
+    axes: tuple[str | None, ...] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,6 +75,18 @@ _REGISTRY: dict[str, ModelSpec] = {}
 def register_model(architecture: str, spec: ModelSpec) -> None:
     """Make `architecture` (a config.json `model_type` or GGUF architecture) servable."""
     _REGISTRY[architecture] = spec
+
+
+def param_axes(config: ModelConfig) -> dict[str, tuple[str | None, ...]]:
+    """Each parameter's logical axes, from its architecture's weight map."""
+    rules = get_model_spec(config.architecture).weight_map(config)
+    missing = sorted(name for name, rule in rules.items() if rule.axes is None)
+    if missing:
+        raise ValueError(
+            f"the {config.architecture!r} weight map gives no sharding axes for {missing}: "
+            "set WeightRule.axes (a logical name or None per dimension)"
+        )
+    return {name: rule.axes for name, rule in rules.items()}
 
 
 def get_model_spec(architecture: str) -> ModelSpec:

@@ -16,6 +16,7 @@ from jaxserve.attention import AttentionMetadata, paged_attention
 from jaxserve.config import ModelConfig
 from jaxserve.kv_cache import KVCache, write_kv
 from jaxserve.models.interface import ModelSpec, WeightRule, register_model
+from jaxserve.models.layers import linear
 
 
 def rope_inv_freq(config: ModelConfig) -> np.ndarray:
@@ -92,7 +93,10 @@ class DecoderLayers(nnx.Module):
         metadata: AttentionMetadata,
     ) -> tuple[jax.Array, KVCache]:
         cfg = self.config
-        weights = {name: p[...] for name, p in vars(self).items() if isinstance(p, nnx.Param)}
+        # values, not p[...]: a quantized weight is a pytree (layers.py), not an array
+        weights = {
+            name: p.get_value() for name, p in vars(self).items() if isinstance(p, nnx.Param)
+        }
         inv_freq = rope_inv_freq(cfg)
         scale = cfg.head_dim**-0.5
         num_tokens = x.shape[0]
@@ -100,7 +104,7 @@ class DecoderLayers(nnx.Module):
         def layer(carry, w):
             x, cache, i = carry
             h = rms_norm(x, w["input_norm"], cfg.rms_norm_eps)
-            q, k, v = h @ w["q_proj"], h @ w["k_proj"], h @ w["v_proj"]
+            q, k, v = linear(h, w["q_proj"]), linear(h, w["k_proj"]), linear(h, w["v_proj"])
             if cfg.attention_bias:
                 q, k, v = q + w["q_bias"], k + w["k_bias"], v + w["v_bias"]
             q = apply_rope(q.reshape(num_tokens, cfg.num_heads, cfg.head_dim), positions, inv_freq)
@@ -110,9 +114,10 @@ class DecoderLayers(nnx.Module):
             v = v.reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim)
             cache = write_kv(cache, i, metadata.slot_mapping, k, v)
             attn = paged_attention(q, cache, i, positions, metadata, scale)
-            x = x + attn.reshape(num_tokens, -1) @ w["o_proj"]
+            x = x + linear(attn.reshape(num_tokens, -1), w["o_proj"])
             h = rms_norm(x, w["post_norm"], cfg.rms_norm_eps)
-            x = x + (jax.nn.silu(h @ w["gate_proj"]) * (h @ w["up_proj"])) @ w["down_proj"]
+            gated = jax.nn.silu(linear(h, w["gate_proj"])) * linear(h, w["up_proj"])
+            x = x + linear(gated, w["down_proj"])
             return (x, cache, i + 1), None
 
         (x, kv_cache, _), _ = jax.lax.scan(layer, (x, kv_cache, jnp.int32(0)), weights)
@@ -140,30 +145,47 @@ class LlamaForCausalLM(nnx.Module):
         x = self.embed[...][token_ids]
         x, kv_cache = self.layers(x, positions, kv_cache, metadata)
         x = rms_norm(x[metadata.logits_indices], self.norm[...], self.config.rms_norm_eps)
-        head = self.embed[...].T if self.config.tie_word_embeddings else self.lm_head[...]
-        return (x @ head).astype(jnp.float32), kv_cache
+        head = self.embed[...].T if self.config.tie_word_embeddings else self.lm_head.get_value()
+        return linear(x, head).astype(jnp.float32), kv_cache
 
 
 def llama_weight_map(config: ModelConfig) -> dict[str, WeightRule]:
-    """Hugging Face tensor names of every parameter of `LlamaForCausalLM`."""
+    """Hugging Face tensor names and sharding axes of every parameter of `LlamaForCausalLM`.
+
+    Megatron-style tensor parallelism: q/k/v/gate/up are column-parallel (their output
+    axis split), o/down row-parallel (their input axis split), embedding and LM head split
+    over the vocabulary (see sharding.py).
+    """
     layer = "model.layers.{layer}."
     rules = {
-        "embed": WeightRule("model.embed_tokens.weight"),
-        "norm": WeightRule("model.norm.weight"),
-        "layers/input_norm": WeightRule(layer + "input_layernorm.weight"),
-        "layers/post_norm": WeightRule(layer + "post_attention_layernorm.weight"),
-        "layers/o_proj": WeightRule(layer + "self_attn.o_proj.weight", transpose=True),
+        "embed": WeightRule("model.embed_tokens.weight", axes=("vocab", "embed")),
+        "norm": WeightRule("model.norm.weight", axes=("embed",)),
+        "layers/input_norm": WeightRule(
+            layer + "input_layernorm.weight", axes=("layers", "embed")
+        ),
+        "layers/post_norm": WeightRule(
+            layer + "post_attention_layernorm.weight", axes=("layers", "embed")
+        ),
+        "layers/o_proj": WeightRule(
+            layer + "self_attn.o_proj.weight", transpose=True, axes=("layers", "heads", "embed")
+        ),
     }
-    for name in ("q", "k", "v"):
+    for name, heads in (("q", "heads"), ("k", "kv_heads"), ("v", "kv_heads")):
         rules[f"layers/{name}_proj"] = WeightRule(
-            layer + f"self_attn.{name}_proj.weight", transpose=True
+            layer + f"self_attn.{name}_proj.weight", transpose=True,
+            axes=("layers", "embed", heads),
         )
         if config.attention_bias:
-            rules[f"layers/{name}_bias"] = WeightRule(layer + f"self_attn.{name}_proj.bias")
-    for name in ("gate", "up", "down"):
-        rules[f"layers/{name}_proj"] = WeightRule(layer + f"mlp.{name}_proj.weight", transpose=True)
+            rules[f"layers/{name}_bias"] = WeightRule(
+                layer + f"self_attn.{name}_proj.bias", axes=("layers", heads)
+            )
+    for name, axes in (("gate", ("embed", "mlp")), ("up", ("embed", "mlp")),
+                       ("down", ("mlp", "embed"))):
+        rules[f"layers/{name}_proj"] = WeightRule(
+            layer + f"mlp.{name}_proj.weight", transpose=True, axes=("layers", *axes)
+        )
     if not config.tie_word_embeddings:
-        rules["lm_head"] = WeightRule("lm_head.weight", transpose=True)
+        rules["lm_head"] = WeightRule("lm_head.weight", transpose=True, axes=("embed", "vocab"))
     return rules
 
 

@@ -1,0 +1,72 @@
+"""Every projection goes through models/layers.linear: a model whose weights are stored
+as int8 with a scale runs with no change to its code, and computes what the dequantized
+weights compute."""
+
+import dataclasses
+
+import jax
+import numpy as np
+from flax import nnx
+
+from jaxserve.batch import pack_step
+from jaxserve.config import ModelConfig
+from jaxserve.kv_cache import init_kv_cache
+from jaxserve.models.layers import Int8Weight, linear, quantize_int8
+from jaxserve.models.llama import LlamaForCausalLM
+from jaxserve.plan import Chunk
+from jaxserve.step import forward
+
+CONFIG = ModelConfig("llama", 256, 64, 128, 2, 4, 2, 16, max_position_embeddings=64)
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+PAGE_SIZE = 4
+
+
+def with_weights(model: nnx.Module, fn) -> nnx.Module:
+    """`model` with fn(value) in place of each projection weight."""
+    graphdef, state = nnx.split(model)
+    flat = [
+        (path, var.replace(fn(var.get_value()) if path[-1] in PROJECTIONS else var.get_value()))
+        for path, var in nnx.to_flat_state(state)
+    ]
+    return nnx.merge(graphdef, nnx.from_flat_state(flat))
+
+
+def logits_of(model: nnx.Module) -> np.ndarray:
+    """Every token's logits for two prompts, prefilled together."""
+    graphdef, state = nnx.split(model)
+    prompts, pages = [[5, 6, 7, 8, 9], [10, 11, 12]], [[1, 2], [3, 4]]
+    inputs = pack_step([Chunk(p, 0, pg) for p, pg in zip(prompts, pages)], PAGE_SIZE, 8, 2, 2,
+                       spare_row=2)
+    meta = dataclasses.replace(inputs.metadata, logits_indices=np.arange(8, dtype=np.int32))
+    kv = init_kv_cache(CONFIG.num_layers, CONFIG.num_kv_heads, CONFIG.head_dim, 8, PAGE_SIZE)
+    logits, _ = forward(graphdef, state, kv, inputs.token_ids, inputs.positions, meta)
+    return np.asarray(logits)
+
+
+def test_int8_weights_run_through_the_same_model_code():
+    model = LlamaForCausalLM(CONFIG, nnx.Rngs(0))
+    quantized = with_weights(model, quantize_int8)
+    assert isinstance(quantized.layers.q_proj.get_value(), Int8Weight)
+    stored = {x.dtype.name for x in jax.tree.leaves(nnx.state(quantized.layers))}
+    assert "int8" in stored
+    # what the int8 weights mean, as plain f32 arrays
+    dequantized = with_weights(quantized, lambda w: w.values * w.scale[..., None, :])
+    got, want = logits_of(quantized), logits_of(dequantized)
+    np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
+    # and close to the unquantized model (int8 rounding, not a different computation)
+    full = logits_of(model)
+    assert np.abs(got - full).max() < 0.05 * np.abs(full).max()
+    assert np.abs(got - full).max() > 0  # the weights really are rounded
+
+
+def test_linear_on_a_plain_and_a_quantized_weight():
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((3, 8)).astype(np.float32)
+    w = rng.standard_normal((8, 5)).astype(np.float32)
+    np.testing.assert_allclose(np.asarray(linear(x, w)), x @ w, rtol=1e-5, atol=1e-5)
+    q = quantize_int8(w)
+    np.testing.assert_allclose(
+        np.asarray(linear(x, q)), x @ (np.asarray(q.values) * np.asarray(q.scale)),
+        rtol=1e-5, atol=1e-5,
+    )
+    assert np.abs(np.asarray(q.values) * np.asarray(q.scale) - w).max() <= np.abs(w).max() / 127
