@@ -291,7 +291,7 @@ def _plan(args: argparse.Namespace) -> int:
             efficiency = planner.DEFAULT_EFFICIENCY
             source = "default: real engines land at 2–3× the roofline"
         inputs = planner.PlanInputs(
-            model=planner.load_model(args.model),
+            model=planner.model_shape(args.model),
             chip=planner.load_chip(args.chip, args.hbm_gb, args.hbm_tbps, args.tflops),
             num_chips=args.num_chips,
             weight_dtype=args.weight_dtype,

@@ -1,6 +1,6 @@
 """Capacity planner: weights, KV pages, the decode roofline and the queue, for any model and chip.
 
-Pure Python (standard library only, no jax): it loads and runs without an accelerator.
+Pure Python (no jax): it loads and runs without an accelerator.
 
 Definitions (all sizes in bytes, GB = 1e9 B, TB/s = 1e12 B/s, TFLOP/s = 1e12 FLOP/s):
 
@@ -64,6 +64,8 @@ import math
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
+from jaxserve.model_config import config_from_hf
+
 GB = 1e9
 DTYPE_BYTES = {"bf16": 2.0, "fp8": 1.0, "int8": 1.0, "int4": 0.5}
 COMPUTE_DTYPES = ("bf16", "fp8", "int8")
@@ -104,8 +106,9 @@ MODELS = {  # from each model's config.json on the Hugging Face hub
 }
 
 
-def load_model(spec: str) -> ModelShape:
-    """A preset name, or a Hugging Face config.json (or the directory holding one)."""
+def model_shape(spec: str) -> ModelShape:
+    """A preset name, or a Hugging Face config.json (or the directory holding one), read
+    by the loader's own parser (`model_config.config_from_hf`)."""
     if spec.lower() in MODELS:
         return MODELS[spec.lower()]
     path = Path(spec)
@@ -113,23 +116,15 @@ def load_model(spec: str) -> ModelShape:
         path = path / "config.json"
     if not path.is_file():
         raise ValueError(f"model must be one of {sorted(MODELS)} or a config.json, got {spec!r}")
-    config = json.loads(path.read_text())
     try:
-        heads = config["num_attention_heads"]
-        return ModelShape(
-            name=str(path),
-            num_layers=config["num_hidden_layers"],
-            hidden_size=config["hidden_size"],
-            intermediate_size=config["intermediate_size"],
-            num_heads=heads,
-            num_kv_heads=config.get("num_key_value_heads") or heads,
-            head_dim=config.get("head_dim") or config["hidden_size"] // heads,
-            vocab_size=config["vocab_size"],
-            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-            attention_bias=bool(config.get("attention_bias", config.get("model_type") == "qwen2")),
-        )
-    except KeyError as err:
-        raise ValueError(f"{path}: missing key {err}") from None
+        raw = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: invalid JSON ({e})") from None
+    c = config_from_hf(raw, str(path))
+    return ModelShape(
+        str(path), c.num_layers, c.hidden_size, c.intermediate_size, c.num_heads,
+        c.num_kv_heads, c.head_dim, c.vocab_size, c.tie_word_embeddings, c.attention_bias,
+    )
 
 
 @dataclass(frozen=True, slots=True)

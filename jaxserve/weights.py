@@ -1,16 +1,17 @@
 """Load Hugging Face safetensors directories and GGUF files into model parameters.
 
 Both formats are read as Hugging Face tensor names ([out, in] layout), so one
-weight map per architecture serves both. GGUF tensors are dequantized with the
-`gguf` package and llama.cpp's Q/K row permutation is undone. Every failure is a
-`WeightsError` that names the file and the tensor or key at fault.
+weight map per architecture serves both; what is particular to an architecture (its
+config parser, its GGUF tensor names, whether llama.cpp permuted its Q/K rows) comes
+from its `ModelSpec`. GGUF tensors are dequantized with the `gguf` package. Every
+failure is a `WeightsError` (`jaxserve.model_config`) that names the file and the
+tensor or key at fault.
 """
 
 import json
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -18,40 +19,15 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from jaxserve.config import ModelConfig, RopeScaling
+from jaxserve.config import ModelConfig
+from jaxserve.model_config import WeightsError, gguf_architecture, hf_architecture
 from jaxserve.models import ModelSpec, WeightRule, get_model_spec, param_axes
 from jaxserve.sharding import param_sharding
-
-
-class WeightsError(ValueError):
-    """A checkpoint that cannot be loaded; the message names the file and the culprit."""
-
 
 # GGUF quantization types dequantized here (the ones real Llama-family files use).
 GGUF_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K")
 # safetensors dtypes read here; numpy knows BF16 through ml_dtypes, which jax registers
 SAFETENSORS_DTYPES = ("F64", "F32", "F16", "BF16")
-
-_GGUF_GLOBAL_NAMES = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
-_GGUF_LAYER_NAMES = {
-    "attn_norm.weight": "input_layernorm.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
-    "attn_q.weight": "self_attn.q_proj.weight",
-    "attn_k.weight": "self_attn.k_proj.weight",
-    "attn_v.weight": "self_attn.v_proj.weight",
-    "attn_q.bias": "self_attn.q_proj.bias",
-    "attn_k.bias": "self_attn.k_proj.bias",
-    "attn_v.bias": "self_attn.v_proj.bias",
-    "attn_output.weight": "self_attn.o_proj.weight",
-    "ffn_gate.weight": "mlp.gate_proj.weight",
-    "ffn_up.weight": "mlp.up_proj.weight",
-    "ffn_down.weight": "mlp.down_proj.weight",
-}
-
 
 @dataclass(frozen=True)
 class Checkpoint:
@@ -67,78 +43,6 @@ class Checkpoint:
 # ---------------------------------------------------------------- Hugging Face
 
 
-def config_from_hf(raw: dict, source: str = "config.json") -> ModelConfig:
-    """A ModelConfig from a Hugging Face config.json dict."""
-
-    def key(name: str, kind: type = int, default: Any = None) -> Any:
-        value = raw.get(name)
-        if value is None and default is None:
-            raise WeightsError(f"{source}: missing key {name!r}")
-        return default if value is None else _typed(value, kind, name, source)
-
-    try:
-        model_type = key("model_type", str)
-        get_model_spec_or_raise(model_type, source)
-        num_heads = key("num_attention_heads")
-        hidden = key("hidden_size")
-        # transformers 5 writes `rope_parameters` (theta inside); older files `rope_scaling`
-        rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
-        rope_theta = key("rope_theta", float, rope.get("rope_theta", 10000.0))
-        rope_scaling = None
-        kind = rope.get("rope_type", rope.get("type", "default"))
-        if kind == "llama3":
-            rope_scaling = RopeScaling(
-                factor=rope["factor"],
-                low_freq_factor=rope["low_freq_factor"],
-                high_freq_factor=rope["high_freq_factor"],
-                original_max_position_embeddings=rope["original_max_position_embeddings"],
-            )
-        elif kind != "default":
-            raise WeightsError(f"{source}: unsupported rope_scaling type {kind!r}")
-        eos = raw.get("eos_token_id")
-        return _model_config(
-            source,
-            architecture=model_type,
-            vocab_size=key("vocab_size"),
-            hidden_size=hidden,
-            intermediate_size=key("intermediate_size"),
-            num_layers=key("num_hidden_layers"),
-            num_heads=num_heads,
-            num_kv_heads=key("num_key_value_heads", int, num_heads),
-            head_dim=key("head_dim", int, hidden // num_heads),
-            rope_theta=rope_theta,
-            rope_scaling=rope_scaling,
-            rms_norm_eps=key("rms_norm_eps", float, 1e-6),
-            max_position_embeddings=key("max_position_embeddings", int, 2048),
-            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            attention_bias=model_type == "qwen2" or bool(raw.get("attention_bias", False)),
-            bos_token_id=raw.get("bos_token_id"),
-            eos_token_ids=tuple(eos if isinstance(eos, list) else [] if eos is None else [eos]),
-        )
-    except KeyError as e:  # inside rope_scaling
-        raise WeightsError(f"{source}: missing key {e.args[0]!r}") from None
-
-
-def _typed(value: object, kind: type, key: str, source: str) -> Any:
-    """`value` as `kind`, or a WeightsError naming the key; a value that `kind` would change
-    (2.5 as int, "64" as int) is refused rather than silently converted."""
-    try:
-        converted = kind(value)
-    except (TypeError, ValueError):
-        converted = None
-    if converted is None or converted != value:
-        raise WeightsError(f"{source}: key {key!r} is {value!r}, expected {kind.__name__}")
-    return converted
-
-
-def _model_config(source: str, **fields: Any) -> ModelConfig:
-    """ModelConfig(**fields), its own checks (head counts) reported against `source`."""
-    try:
-        return ModelConfig(**fields)
-    except ValueError as e:
-        raise WeightsError(f"{source}: {e}") from None
-
-
 def open_hf_dir(path: Path) -> Checkpoint:
     """A Hugging Face directory: config.json and one or many *.safetensors files."""
     from safetensors import safe_open
@@ -152,7 +56,8 @@ def open_hf_dir(path: Path) -> Checkpoint:
         raise WeightsError(f"{config_file}: invalid JSON ({e})") from None
     if not isinstance(raw, dict):
         raise WeightsError(f"{config_file}: expected a JSON object, got {type(raw).__name__}")
-    config = config_from_hf(raw, str(config_file))
+    spec = get_model_spec_or_raise(hf_architecture(raw, str(config_file)), str(config_file))
+    config = spec.config_from_hf(raw, str(config_file))
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise WeightsError(f"{path}: no *.safetensors files")
@@ -187,48 +92,6 @@ def _safetensors_loader(file: Path, name: str) -> Callable[[], np.ndarray]:
 # ---------------------------------------------------------------- GGUF
 
 
-def config_from_gguf(
-    fields: Mapping[str, object], tensor_names: set[str], vocab_size: int, source: str
-) -> ModelConfig:
-    """A ModelConfig from GGUF metadata (`{arch}.block_count` and friends)."""
-    arch = fields.get("general.architecture")
-    if arch is None:
-        raise WeightsError(f"{source}: missing key 'general.architecture'")
-    get_model_spec_or_raise(str(arch), source)
-
-    def key(name: str, kind: type = int, default: Any = None) -> Any:
-        value = fields.get(f"{arch}.{name}", default)
-        if value is None:
-            raise WeightsError(f"{source}: missing key '{arch}.{name}'")
-        return _typed(value, kind, f"{arch}.{name}", source)
-
-    num_heads = key("attention.head_count")
-    hidden = key("embedding_length")
-    if not vocab_size and f"{arch}.vocab_size" not in fields:
-        raise WeightsError(
-            f"{source}: missing key '{arch}.vocab_size' (or 'tokenizer.ggml.tokens')"
-        )
-    eos = fields.get("tokenizer.ggml.eos_token_id")
-    return _model_config(
-        source,
-        architecture=str(arch),
-        vocab_size=key("vocab_size", int, vocab_size),
-        hidden_size=hidden,
-        intermediate_size=key("feed_forward_length"),
-        num_layers=key("block_count"),
-        num_heads=num_heads,
-        num_kv_heads=key("attention.head_count_kv", int, num_heads),
-        head_dim=key("attention.key_length", int, hidden // num_heads),
-        rope_theta=key("rope.freq_base", float, 10000.0),
-        rms_norm_eps=key("attention.layer_norm_rms_epsilon", float),
-        max_position_embeddings=key("context_length", int, 2048),
-        tie_word_embeddings="output.weight" not in tensor_names,
-        attention_bias=arch == "qwen2",
-        bos_token_id=fields.get("tokenizer.ggml.bos_token_id"),
-        eos_token_ids=() if eos is None else (int(eos),),
-    )
-
-
 def get_model_spec_or_raise(arch: str, source: str) -> ModelSpec:
     try:
         return get_model_spec(arch)
@@ -259,38 +122,36 @@ def open_gguf(path: Path) -> Checkpoint:
     tensor_names = {t.name for t in reader.tensors}
     tokens = reader.fields.get("tokenizer.ggml.tokens")
     vocab_size = len(tokens.data) if tokens is not None else 0
-    config = config_from_gguf(gguf_fields(reader), tensor_names, vocab_size, str(path))
+    fields = gguf_fields(reader)
+    spec = get_model_spec_or_raise(gguf_architecture(fields, str(path)), str(path))
+    if not spec.gguf_names:
+        raise WeightsError(f"{path}: architecture {fields['general.architecture']!r} is not "
+                           "read from GGUF files (its ModelSpec names no GGUF tensors)")
+    config = spec.config_from_gguf(fields, tensor_names, vocab_size, str(path))
     if "rope_freqs.weight" in tensor_names:
         raise WeightsError(
             f"{path}: tensor 'rope_freqs.weight' (Llama-3 RoPE frequency factors) is not "
             "supported from GGUF; load the Hugging Face safetensors directory instead"
         )
-    permute = config.architecture == "llama"  # llama.cpp permutes Q/K for llama only
+    # file name -> Hugging Face name, every layer's spelled out
+    hf_names = {
+        gguf.format(layer=i): hf.format(layer=i)
+        for gguf, hf in spec.gguf_names.items()
+        for i in (range(config.num_layers) if "{layer}" in gguf else (0,))
+    }
     loaders: dict[str, Callable[[], np.ndarray]] = {}
     for tensor in reader.tensors:
-        hf_name = _gguf_to_hf_name(tensor.name)
+        hf_name = hf_names.get(tensor.name)
         if hf_name is None:
             continue
         heads = None
-        if permute and hf_name.endswith(("q_proj.weight", "q_proj.bias")):
+        if spec.gguf_qk_permuted and hf_name.endswith(("q_proj.weight", "q_proj.bias")):
             heads = config.num_heads
-        elif permute and hf_name.endswith(("k_proj.weight", "k_proj.bias")):
+        elif spec.gguf_qk_permuted and hf_name.endswith(("k_proj.weight", "k_proj.bias")):
             heads = config.num_kv_heads
         loaders[hf_name] = _gguf_loader(path, tensor, heads)
-    file_names = {hf: name for name, hf in _GGUF_GLOBAL_NAMES.items()}
-    for i in range(config.num_layers):
-        for name, hf in _GGUF_LAYER_NAMES.items():
-            file_names[f"model.layers.{i}.{hf}"] = f"blk.{i}.{name}"
+    file_names = {hf: name for name, hf in hf_names.items()}
     return Checkpoint(path, config, loaders, file_names)
-
-
-def _gguf_to_hf_name(name: str) -> str | None:
-    if name in _GGUF_GLOBAL_NAMES:
-        return _GGUF_GLOBAL_NAMES[name]
-    parts = name.split(".", 2)
-    if len(parts) == 3 and parts[0] == "blk" and parts[2] in _GGUF_LAYER_NAMES:
-        return f"model.layers.{parts[1]}.{_GGUF_LAYER_NAMES[parts[2]]}"
-    return None
 
 
 def _gguf_loader(path: Path, tensor, heads: int | None) -> Callable[[], np.ndarray]:

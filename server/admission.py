@@ -22,6 +22,7 @@ queue before it came.
 import math
 from dataclasses import dataclass
 
+from jaxserve.planner import queue_bound
 from server.protocol import APIError
 
 
@@ -35,7 +36,7 @@ class QueuePolicy:
     def bound(self, admission_rate: float) -> int:
         if self.max_queue is not None:
             return self.max_queue
-        return max(self.min_queue, math.floor(self.wait_budget_s * admission_rate))
+        return max(self.min_queue, queue_bound(self.wait_budget_s, admission_rate))
 
     def retry_after(self, queued: int, admission_rate: float) -> int:
         """Seconds until the queue has drained to make room, from 1 to 60."""

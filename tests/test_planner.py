@@ -145,7 +145,7 @@ SMOLLM2_CONFIG = {
 def test_model_from_config_json(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(SMOLLM2_CONFIG))
     for spec in (tmp_path, tmp_path / "config.json"):
-        model = planner.load_model(str(spec))
+        model = planner.model_shape(str(spec))
         assert model.head_dim == 64  # hidden_size / num_attention_heads
         assert model.num_params == planner.MODELS["smollm2-135m"].num_params == 134_515_008
     out = cli_json("--model", str(tmp_path), "--chip", "v5e")
@@ -155,9 +155,9 @@ def test_model_from_config_json(tmp_path):
     broken = {k: v for k, v in SMOLLM2_CONFIG.items() if k != "vocab_size"}
     (tmp_path / "config.json").write_text(json.dumps(broken))
     with pytest.raises(ValueError, match="vocab_size"):
-        planner.load_model(str(tmp_path))
+        planner.model_shape(str(tmp_path))
     with pytest.raises(ValueError, match=r"llama-3\.1-8b"):
-        planner.load_model(str(tmp_path / "nowhere"))
+        planner.model_shape(str(tmp_path / "nowhere"))
 
 
 def test_binding_bound_flips_from_tpot_to_kv_as_the_context_grows():

@@ -12,14 +12,15 @@ or `general.architecture` of a GGUF file) and a weight map from checkpoint tenso
 names to the module's parameters.
 """
 
-from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Protocol
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxserve import model_config
 from jaxserve.attention import AttentionMetadata
 from jaxserve.config import ModelConfig
 from jaxserve.kv_cache import KVCache
@@ -62,11 +63,23 @@ class WeightRule:
 
 @dataclass(frozen=True, slots=True)
 class ModelSpec:
-    """How to build one architecture and where its weights come from."""
+    """Everything that is particular to one architecture: how to read its shape from a
+    checkpoint, how to build it, where each parameter's tensor is and how it is sharded.
+    The loader, the sharding rules and the runner ask the spec and know no architecture."""
 
     build: Callable[[ModelConfig, nnx.Rngs, jnp.dtype], nnx.Module]  # (config, rngs, dtype)
-    # parameter path ("layers/q_proj") -> rule, for a given config
+    # parameter path ("layers/q_proj") -> its tensor and sharding axes, for a given config
     weight_map: Callable[[ModelConfig], dict[str, WeightRule]]
+    # config.json (a dict, and its path for messages) -> ModelConfig
+    config_from_hf: Callable[[dict, str], ModelConfig] = model_config.config_from_hf
+    # GGUF metadata, tensor names, vocabulary size, path -> ModelConfig
+    config_from_gguf: Callable[[Mapping[str, Any], set[str], int, str], ModelConfig] = (
+        model_config.config_from_gguf
+    )
+    # GGUF tensor name -> Hugging Face name, "{layer}" standing for each layer's index;
+    # empty: the architecture is not read from GGUF files
+    gguf_names: Mapping[str, str] = field(default_factory=dict)
+    gguf_qk_permuted: bool = False  # llama.cpp permuted Q/K rows for its RoPE layout
 
 
 _REGISTRY: dict[str, ModelSpec] = {}

@@ -5,6 +5,7 @@ under `jax.lax.scan`, so compile time does not grow with depth. Kernels are
 stored [in, out]; the weight map transposes torch's [out, in] on load.
 """
 
+import dataclasses
 import math
 
 import jax
@@ -189,6 +190,31 @@ def llama_weight_map(config: ModelConfig) -> dict[str, WeightRule]:
     return rules
 
 
-LLAMA_SPEC = ModelSpec(build=LlamaForCausalLM, weight_map=llama_weight_map)
-for _architecture in ("llama", "mistral", "qwen2"):
+# llama.cpp's tensor names
+GGUF_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+    **{
+        f"blk.{{layer}}.{gguf}": f"model.layers.{{layer}}.{hf}"
+        for gguf, hf in {
+            "attn_norm.weight": "input_layernorm.weight",
+            "ffn_norm.weight": "post_attention_layernorm.weight",
+            "attn_q.weight": "self_attn.q_proj.weight",
+            "attn_k.weight": "self_attn.k_proj.weight",
+            "attn_v.weight": "self_attn.v_proj.weight",
+            "attn_q.bias": "self_attn.q_proj.bias",
+            "attn_k.bias": "self_attn.k_proj.bias",
+            "attn_v.bias": "self_attn.v_proj.bias",
+            "attn_output.weight": "self_attn.o_proj.weight",
+            "ffn_gate.weight": "mlp.gate_proj.weight",
+            "ffn_up.weight": "mlp.up_proj.weight",
+            "ffn_down.weight": "mlp.down_proj.weight",
+        }.items()
+    },
+}
+LLAMA_SPEC = ModelSpec(build=LlamaForCausalLM, weight_map=llama_weight_map, gguf_names=GGUF_NAMES)
+# llama.cpp permutes Q/K rows for its "llama" architecture only
+register_model("llama", dataclasses.replace(LLAMA_SPEC, gguf_qk_permuted=True))
+for _architecture in ("mistral", "qwen2"):
     register_model(_architecture, LLAMA_SPEC)
