@@ -135,6 +135,11 @@ class Engine:
         self._wake.set()
         return request.stream
 
+    def check(self, prompt_ids: Sequence[int], params: SamplingParams) -> None:
+        """Raise RequestRejected if such a request could never run (what `submit` checks),
+        without queueing anything."""
+        self.scheduler.check(Request("check", tuple(prompt_ids), params, seed=0))
+
     def cancel(self, request_id: str) -> None:
         """Stop a request; its pages are freed by the next iteration."""
         with self._lock:

@@ -16,6 +16,7 @@ from jaxserve.default_model import default_model_path
 from jaxserve.engine import Engine
 from jaxserve.loader import load
 from jaxserve.page_allocator import PageAllocator
+from jaxserve.request import check_prompt_ids
 from jaxserve.runner import ModelRunner, enable_compilation_cache
 from jaxserve.scheduler import Scheduler
 from jaxserve.sharding import make_mesh
@@ -103,12 +104,10 @@ class LLM:
         )
 
     def encode(self, prompt: str | Sequence[int]) -> list[int]:
-        """Token ids of a prompt given as text or ids; ValueError when empty or out of range."""
+        """Token ids of a prompt given as text or ids; RequestRejected (a ValueError) when
+        empty or out of the vocabulary."""
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        if not ids:
-            raise ValueError("prompt is empty")
-        if any(not 0 <= t < self.config.vocab_size for t in ids):
-            raise ValueError(f"prompt token ids must be in [0, {self.config.vocab_size})")
+        check_prompt_ids(ids, self.config.vocab_size)
         return ids
 
     def generate(

@@ -91,4 +91,18 @@ class Request:
 
 
 class RequestRejected(ValueError):
-    """A request that can never be served (too long for the model or the page pool)."""
+    """A request that can never be served: an empty or out-of-vocabulary prompt, or one
+    too long for the model or the page pool. `param` names the request field at fault
+    and `code` the OpenAI error code, for the server's 400."""
+
+    def __init__(self, message: str, param: str = "prompt", code: str | None = None):
+        super().__init__(message)
+        self.param, self.code = param, code
+
+
+def check_prompt_ids(ids: list[int], vocab_size: int) -> None:
+    """Raise RequestRejected unless `ids` is a non-empty prompt of in-vocabulary tokens."""
+    if not ids:
+        raise RequestRejected("prompt must not be empty")
+    if any(not 0 <= t < vocab_size for t in ids):
+        raise RequestRejected(f"prompt token ids must be in [0, {vocab_size})")

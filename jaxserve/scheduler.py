@@ -104,18 +104,26 @@ class Scheduler:
         return -(-request.max_total_tokens // self.page_size)
 
     def check(self, request: Request) -> None:
-        """Raise RequestRejected if `request` could never be admitted."""
-        if request.max_total_tokens > self.max_model_len:
+        """Raise RequestRejected if `request` could never be admitted: the one check of a
+        request's length, for the offline API and the server alike."""
+        length, limit = len(request.prompt_ids), self.max_model_len
+        if length >= limit:
             raise RequestRejected(
-                f"prompt ({len(request.prompt_ids)} tokens) + max_tokens "
-                f"({request.params.max_tokens}) = {request.max_total_tokens} exceeds the "
-                f"model's context of {self.max_model_len} tokens"
+                f"prompt has {length} tokens; the model's context is {limit}",
+                "prompt", "context_length_exceeded",
+            )
+        if request.max_total_tokens > limit:
+            raise RequestRejected(
+                f"prompt ({length} tokens) + max_tokens ({request.params.max_tokens}) = "
+                f"{request.max_total_tokens} exceeds the model's context of {limit} tokens",
+                "max_tokens", "context_length_exceeded",
             )
         pool = self.allocators[0].num_usable
         if self.pages_needed(request) > pool:
             raise RequestRejected(
                 f"request needs {self.pages_needed(request)} KV pages, the pool has {pool}"
-                + (" per data shard" if self.num_shards > 1 else "")
+                + (" per data shard" if self.num_shards > 1 else ""),
+                "max_tokens",
             )
 
     def add(self, request: Request) -> None:

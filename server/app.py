@@ -176,16 +176,10 @@ class Server:
         else:
             raise APIError(400, "prompt must be a string, strings, token ids or lists of ids",
                            param="prompt")
-        vocab = self.llm.config.vocab_size
-        out = []
-        for p in prompts:
-            ids = self.llm.tokenizer.encode(p) if isinstance(p, str) else list(p)
-            if not ids:
-                raise APIError(400, "prompt must not be empty", param="prompt")
-            if any(not 0 <= t < vocab for t in ids):
-                raise APIError(400, f"prompt token ids must be in [0, {vocab})", param="prompt")
-            out.append(ids)
-        return out
+        try:
+            return [self.llm.encode(p) for p in prompts]
+        except RequestRejected as e:
+            raise APIError(400, str(e), param="prompt") from None
 
     def _chat_prompt_ids(self, req: ChatCompletionRequest) -> list[int]:
         if not req.messages:
@@ -211,24 +205,13 @@ class Server:
             return policy.name
         return ""
 
-    def _check_context(self, prompts: list[list[int]], max_tokens: int, param: str) -> None:
-        limit = self.llm.scheduler.max_model_len
+    def _check_length(self, prompts: list[list[int]], params, chat: bool) -> None:
+        """The engine's own check of a request's length, before the queue is asked."""
         for ids in prompts:
-            if len(ids) >= limit:
-                raise APIError(
-                    400,
-                    f"prompt has {len(ids)} tokens; the context is {limit}",
-                    param=param,
-                    code="context_length_exceeded",
-                )
-            if len(ids) + max_tokens > limit:
-                raise APIError(
-                    400,
-                    f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds the "
-                    f"context of {limit} tokens",
-                    param="max_tokens",
-                    code="context_length_exceeded",
-                )
+            try:
+                self.llm.engine.check(ids, params)
+            except RequestRejected as e:
+                raise _rejected(e, chat) from None
 
     # ---------------------------------------------------------------- routes
 
@@ -243,7 +226,7 @@ class Server:
         params = sampling_params(
             req, req.max_tokens, req.logprobs, default_max_tokens=16, prompt_logprobs=scores
         )
-        self._check_context(prompts, params.max_tokens, "prompt")
+        self._check_length(prompts, params, chat=False)
         return await self._serve(request, policy, prompts, params, req, chat=False)
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
@@ -260,7 +243,7 @@ class Server:
             room = self.llm.scheduler.max_model_len - len(ids)
             max_tokens = max(1, min(self.config.default_chat_max_tokens, room))
         params = sampling_params(req, max_tokens, logprobs, default_max_tokens=max_tokens)
-        self._check_context([ids], params.max_tokens, "messages")
+        self._check_length([ids], params, chat=True)
         return await self._serve(request, policy, [ids], params, req, chat=True)
 
     async def _serve(
@@ -316,7 +299,7 @@ class Server:
             return self._response(response_id, choices, req, chat, usage_prompt)
         except RequestRejected as e:
             self.metrics.requests_rejected.labels("too_long").inc()
-            raise APIError(400, str(e), param="max_tokens") from None
+            raise _rejected(e, chat) from None
         finally:
             for c in choices:
                 if c.finish_reason is None:
@@ -534,6 +517,12 @@ class Server:
             raise APIError(401, "an admin API key is needed", code="not_admin")
         rows = [dataclasses.asdict(r) for r in self.llm.engine.live_requests()]
         return _json({"object": "list", "data": rows})
+
+
+def _rejected(e: RequestRejected, chat: bool) -> APIError:
+    """The 400 of a request the engine can never run; a chat's prompt is its messages."""
+    param = "messages" if chat and e.param == "prompt" else e.param
+    return APIError(400, str(e), param=param, code=e.code)
 
 
 def _json(body: dict, status: int = 200, headers: dict | None = None) -> web.Response:
