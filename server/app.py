@@ -289,14 +289,15 @@ class Server:
                         lazy=not req.stream,
                     )
                     choices.append(_Choice(len(choices), stream, ids))
-            response_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+            form = _format(chat, self.llm.tokenizer, req)
+            response_id = form.id_prefix + uuid.uuid4().hex
             usage_prompt = sum(len(p) for p in prompts)
             if req.stream:
                 return await self._stream(
-                    http, response_id, choices, req, chat, start, usage_prompt
+                    http, response_id, choices, req, form, start, usage_prompt
                 )
             await asyncio.gather(*(self._pump(c, start) for c in choices))
-            return self._response(response_id, choices, req, chat, usage_prompt)
+            return self._response(response_id, choices, form, usage_prompt)
         except RequestRejected as e:
             self.metrics.requests_rejected.labels("too_long").inc()
             raise _rejected(e, chat) from None
@@ -338,37 +339,15 @@ class Server:
             raise APIError(500, "the engine failed while generating this request")
 
     def _response(
-        self, response_id: str, choices: list[_Choice], req, chat: bool, prompt_tokens: int
+        self, response_id: str, choices: list[_Choice], form: fmt.ResponseFormat,
+        prompt_tokens: int,
     ) -> web.Response:
-        tokenizer = self.llm.tokenizer
         usage = fmt.usage(prompt_tokens, sum(c.num_tokens for c in choices))
-        body_choices = []
-        for c in choices:
-            if chat:
-                item = {
-                    "index": c.index,
-                    "message": {"role": "assistant", "content": c.text},
-                    "logprobs": None,
-                    "finish_reason": c.finish_reason,
-                }
-                if req.logprobs:
-                    item["logprobs"] = fmt.chat_logprobs(tokenizer, c.outputs)
-            else:
-                prefix = tokenizer.decode(c.prompt_ids) if req.echo else ""
-                item = {
-                    "index": c.index,
-                    "text": prefix + c.text,
-                    "logprobs": None,
-                    "finish_reason": c.finish_reason,
-                }
-                if req.logprobs is not None:
-                    item["logprobs"] = fmt.completion_logprobs(tokenizer, c.outputs, len(prefix))
-                    if req.echo and c.outputs and c.outputs[0].prompt_logprobs is not None:
-                        echoed = fmt.prompt_logprobs(tokenizer, c.prompt_ids, c.outputs[0])
-                        item["logprobs"] = fmt.join_logprobs(echoed, item["logprobs"])
-            body_choices.append(item)
-        kind = "chat.completion" if chat else "text_completion"
-        return _json(fmt.body(kind, response_id, self.model_name, body_choices, usage))
+        items = [
+            form.choice(c.index, c.prompt_ids, c.text, c.outputs, c.finish_reason)
+            for c in choices
+        ]
+        return _json(fmt.body(form.object_name, response_id, self.model_name, items, usage))
 
     async def _stream(
         self,
@@ -376,11 +355,10 @@ class Server:
         response_id: str,
         choices: list[_Choice],
         req,
-        chat: bool,
+        form: fmt.ResponseFormat,
         start: float,
         prompt_tokens: int,
     ) -> web.StreamResponse:
-        tokenizer = self.llm.tokenizer
         resp = web.StreamResponse(
             headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
         )
@@ -395,10 +373,9 @@ class Server:
         # buffer its whole output here instead).
         sink: asyncio.Queue = asyncio.Queue(maxsize=len(choices))
         pumps = [asyncio.create_task(self._pump(c, start, sink)) for c in choices]
-        kind = "chat.completion.chunk" if chat else "text_completion"
 
         def chunk(items: list[dict], usage: dict | None = None) -> dict:
-            return fmt.body(kind, response_id, self.model_name, items, usage)
+            return fmt.body(form.chunk_name, response_id, self.model_name, items, usage)
 
         async def send(body: dict | None) -> None:
             """One SSE event (None: the final [DONE]); ClientStalled if the client does not
@@ -413,56 +390,16 @@ class Server:
 
         try:
             for c in choices:
-                first = (
-                    {
-                        "index": c.index,
-                        "delta": {"role": "assistant", "content": ""},
-                        "logprobs": None,
-                        "finish_reason": None,
-                    }
-                    if chat
-                    else {
-                        "index": c.index,
-                        "text": tokenizer.decode(c.prompt_ids) if req.echo else "",
-                        "logprobs": None,
-                        "finish_reason": None,
-                    }
-                )
-                # echoed with logprobs, the prompt goes out with the first token, which
-                # brings the prompt's logprobs
-                if chat or (req.echo and req.logprobs is None):
-                    await send(chunk([first]))
+                opening = form.opening(c.index, c.prompt_ids)
+                if opening is not None:
+                    await send(chunk([opening]))
             done = 0
             while done < len(choices):
                 choice, out = await sink.get()
                 done += out.finished
                 if out.finish_reason == "error":
                     raise APIError(500, "the engine failed while generating this request")
-                if chat:
-                    item = {
-                        "index": choice.index,
-                        "delta": {"content": out.text} if out.text else {},
-                        "logprobs": None,
-                        "finish_reason": out.finish_reason,
-                    }
-                    if req.logprobs and out.token_ids:
-                        item["logprobs"] = fmt.chat_logprobs(tokenizer, [out])
-                else:
-                    item = {
-                        "index": choice.index,
-                        "text": out.text,
-                        "logprobs": None,
-                        "finish_reason": out.finish_reason,
-                    }
-                    if req.logprobs is not None and out.token_ids:
-                        item["logprobs"] = fmt.completion_logprobs(tokenizer, [out], 0)
-                    if out.prompt_logprobs is not None:  # echo with logprobs: the first token
-                        echo = tokenizer.decode(choice.prompt_ids)
-                        item["text"] = echo + out.text
-                        item["logprobs"] = fmt.join_logprobs(
-                            fmt.prompt_logprobs(tokenizer, choice.prompt_ids, out),
-                            fmt.completion_logprobs(tokenizer, [out], len(echo)),
-                        )
+                item = form.delta(choice.index, choice.prompt_ids, out)
                 if out.text or out.finished or item["logprobs"]:
                     await send(chunk([item]))
             if req.stream_options is not None and req.stream_options.include_usage:
@@ -517,6 +454,10 @@ class Server:
             raise APIError(401, "an admin API key is needed", code="not_admin")
         rows = [dataclasses.asdict(r) for r in self.llm.engine.live_requests()]
         return _json({"object": "list", "data": rows})
+
+
+def _format(chat: bool, tokenizer, req) -> fmt.ResponseFormat:
+    return fmt.ChatFormat(tokenizer, req) if chat else fmt.CompletionFormat(tokenizer, req)
 
 
 def _rejected(e: RequestRejected, chat: bool) -> APIError:

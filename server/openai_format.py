@@ -1,4 +1,9 @@
-"""OpenAI response bodies and stream chunks for completions and chat completions."""
+"""OpenAI response bodies and stream chunks for completions and chat completions.
+
+The server renders every answer through one `ResponseFormat`: `CompletionFormat` or
+`ChatFormat`, each giving a whole answer's choice, a stream's opening event and each
+stream event's choice, so the routes hold no per-API branches.
+"""
 
 import time
 
@@ -96,3 +101,82 @@ def body(kind: str, request_id: str, model: str, choices: list[dict], usage_=Non
     if usage_ is not None:
         out["usage"] = usage_
     return out
+
+
+class CompletionFormat:
+    """The completions API's choices: `text`, the legacy `logprobs` object, `echo`."""
+
+    object_name = chunk_name = "text_completion"
+    id_prefix = "cmpl-"
+
+    def __init__(self, tokenizer: Tokenizer, req) -> None:
+        self.tokenizer, self.req = tokenizer, req
+
+    def choice(self, index: int, prompt_ids: list[int], text: str,
+               outputs: list[RequestOutput], finish_reason: str | None) -> dict:
+        """A whole answer's choice."""
+        req, tokenizer = self.req, self.tokenizer
+        prefix = tokenizer.decode(prompt_ids) if req.echo else ""
+        item = {"index": index, "text": prefix + text, "logprobs": None,
+                "finish_reason": finish_reason}
+        if req.logprobs is not None:
+            item["logprobs"] = completion_logprobs(tokenizer, outputs, len(prefix))
+            if req.echo and outputs and outputs[0].prompt_logprobs is not None:
+                echoed = prompt_logprobs(tokenizer, prompt_ids, outputs[0])
+                item["logprobs"] = join_logprobs(echoed, item["logprobs"])
+        return item
+
+    def opening(self, index: int, prompt_ids: list[int]) -> dict | None:
+        """A stream's first event, before any token: the echoed prompt, if any. Echoed
+        with logprobs, the prompt goes out with the first token instead, which brings
+        the prompt's logprobs."""
+        if not self.req.echo or self.req.logprobs is not None:
+            return None
+        return {"index": index, "text": self.tokenizer.decode(prompt_ids), "logprobs": None,
+                "finish_reason": None}
+
+    def delta(self, index: int, prompt_ids: list[int], out: RequestOutput) -> dict:
+        """One stream event's choice, for one engine output."""
+        req, tokenizer = self.req, self.tokenizer
+        item = {"index": index, "text": out.text, "logprobs": None,
+                "finish_reason": out.finish_reason}
+        if req.logprobs is not None and out.token_ids:
+            item["logprobs"] = completion_logprobs(tokenizer, [out], 0)
+        if out.prompt_logprobs is not None:  # echo with logprobs: the first token
+            echo = tokenizer.decode(prompt_ids)
+            item["text"] = echo + out.text
+            item["logprobs"] = join_logprobs(
+                prompt_logprobs(tokenizer, prompt_ids, out),
+                completion_logprobs(tokenizer, [out], len(echo)),
+            )
+        return item
+
+
+class ChatFormat:
+    """The chat completions API's choices: an assistant `message`, or `delta`s."""
+
+    object_name, chunk_name = "chat.completion", "chat.completion.chunk"
+    id_prefix = "chatcmpl-"
+
+    def __init__(self, tokenizer: Tokenizer, req) -> None:
+        self.tokenizer, self.req = tokenizer, req
+
+    def choice(self, index: int, prompt_ids: list[int], text: str,
+               outputs: list[RequestOutput], finish_reason: str | None) -> dict:
+        logprobs = chat_logprobs(self.tokenizer, outputs) if self.req.logprobs else None
+        return {"index": index, "message": {"role": "assistant", "content": text},
+                "logprobs": logprobs, "finish_reason": finish_reason}
+
+    def opening(self, index: int, prompt_ids: list[int]) -> dict:
+        return {"index": index, "delta": {"role": "assistant", "content": ""},
+                "logprobs": None, "finish_reason": None}
+
+    def delta(self, index: int, prompt_ids: list[int], out: RequestOutput) -> dict:
+        logprobs = None
+        if self.req.logprobs and out.token_ids:
+            logprobs = chat_logprobs(self.tokenizer, [out])
+        return {"index": index, "delta": {"content": out.text} if out.text else {},
+                "logprobs": logprobs, "finish_reason": out.finish_reason}
+
+
+ResponseFormat = CompletionFormat | ChatFormat  # one renderer per API: body and stream chunks
