@@ -4,8 +4,12 @@ Gauges read the engine when scraped; histograms and counters are observed by the
 HTTP handlers and the engine's step callback, never inside device code.
 """
 
+from collections.abc import Callable
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily
+
+from jaxserve.serving import EngineStats
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
@@ -79,19 +83,18 @@ class Metrics:
             registry=r,
         )
 
-    def bind(self, engine, runner) -> None:
+    def bind(self, stats: Callable[[], EngineStats]) -> None:
         """Let the gauges and engine-kept counters read the live engine when scraped."""
-        scheduler = engine.scheduler
-        self.num_requests_running.set_function(lambda: len(scheduler.running))
-        self.num_requests_waiting.set_function(engine.num_waiting)
-        self.kv_pages_total.set_function(lambda: scheduler.num_pages_usable)
-        self.kv_pages_free.set_function(lambda: scheduler.num_pages_free)
+        self.num_requests_running.set_function(lambda: stats().running)
+        self.num_requests_waiting.set_function(lambda: stats().waiting)
+        self.kv_pages_total.set_function(lambda: stats().pages_usable)
+        self.kv_pages_free.set_function(lambda: stats().pages_free)
         self.kv_cache_usage_perc.set_function(
-            lambda: scheduler.num_pages_used / scheduler.num_pages_usable
+            lambda: stats().pages_used / stats().pages_usable
         )
-        self.oldest_waiting_seconds.set_function(engine.oldest_waiting_age)
-        self.kv_pages_cached.set_function(lambda: scheduler.num_pages_cached)
-        self.registry.register(_EngineCounters(scheduler, runner))
+        self.oldest_waiting_seconds.set_function(lambda: stats().oldest_waiting_seconds)
+        self.kv_pages_cached.set_function(lambda: stats().pages_cached)
+        self.registry.register(_EngineCounters(stats))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -100,26 +103,26 @@ class Metrics:
 class _EngineCounters:
     """Counters the engine keeps itself, exposed as Prometheus counters at scrape time."""
 
-    def __init__(self, scheduler, runner) -> None:
-        self.scheduler = scheduler
-        self.runner = runner
+    def __init__(self, stats: Callable[[], EngineStats]) -> None:
+        self.stats = stats
 
     def collect(self):
+        s = self.stats()
         for name, doc, value in (
             (
                 "jaxserve:prefix_cache_queries",
                 "Prompt tokens looked up in the prefix cache",
-                self.scheduler.prefix_queries,
+                s.prefix_cache_queries,
             ),
             (
                 "jaxserve:prefix_cache_hits",
                 "Prompt tokens found in the prefix cache",
-                self.scheduler.prefix_hits,
+                s.prefix_cache_hits,
             ),
             (
                 "jaxserve:compiles_after_warmup",
                 "XLA compiles after warm-up (a shape escaped the buckets)",
-                self.runner.compiles_after_warmup,
+                s.compiles_after_warmup,
             ),
         ):
             yield CounterMetricFamily(name, doc, value=value)

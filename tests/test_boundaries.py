@@ -42,9 +42,25 @@ def test_server_does_not_touch_jax(path):
     assert not [m for m in imported_modules(path) if m.split(".")[0] in ("jax", "flax")]
 
 
+ENGINE_INTERNALS = ("scheduler", "runner", "page_allocator", "step", "kv_cache", "engine")
+
+
+@pytest.mark.parametrize("path", files("server"), ids=lambda p: p.name)
+def test_server_sees_the_engine_only_through_its_client(path):
+    """The server asks `jaxserve.serving.EngineClient`; it neither imports the engine's
+    parts nor reaches them through an attribute."""
+    internals = tuple(f"jaxserve.{m}" for m in ENGINE_INTERNALS)
+    assert not [m for m in imported_modules(path) if m.startswith(internals)]
+    reached = {
+        node.attr for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.Attribute) and node.attr in ("llm", "scheduler", "runner")
+    }
+    assert not reached
+
+
 HOST_MODULES = (
     "request", "scheduler", "page_allocator", "plan", "results", "output_text", "stream",
-    "engine", "buckets", "planner",
+    "engine", "buckets", "planner", "serving",
 )
 
 

@@ -423,3 +423,21 @@ def test_tenant_limits(server):
     assert status == 200
     samples = metric_values(server)
     assert samples['jaxserve:requests_rejected_total{reason="tenant_concurrency_limit"}'] >= 1
+
+
+def test_tenants_keyed_by_api_key_do_not_share_a_prefix_cache(server):
+    """A tenant's prompt is found in its own prefix cache, never in another's (else one
+    could learn another's prompts from its TTFT)."""
+    prompt = list(range(100, 180))  # five full pages of 16
+
+    def hits_after(key: str) -> float:
+        body = {"model": MODEL, "prompt": prompt, "max_tokens": 1}
+        assert http(server + "/v1/completions", body, key=key)[0] == 200
+        return metric_values(server)["jaxserve:prefix_cache_hits_total"]
+
+    first = hits_after("sk-ops")
+    again = hits_after("sk-ops")
+    assert again - first >= 64  # ops finds its own prompt
+    other = hits_after("sk-alice")
+    assert other == again, "alice hit ops's cached prompt"
+    assert hits_after("sk-alice") - other >= 64

@@ -1,0 +1,167 @@
+"""What a server may ask of a running engine, and nothing more.
+
+`EngineClient` is the narrow face of an `LLM` that the HTTP server sees: encode and
+check a prompt, submit and cancel a request, read the queue for admission, list the
+live requests, and read the gauges for /metrics. The server never reaches the
+scheduler, runner or page allocator behind it, so they can change without it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from jaxserve.config import SamplingParams
+from jaxserve.engine import LiveRequest
+from jaxserve.plan import StepPlan
+from jaxserve.stream import OutputStream
+from jaxserve.tokenizer import Tokenizer
+
+if TYPE_CHECKING:  # the server imports this module before jax has loaded
+    from jaxserve.llm import LLM
+
+
+@dataclass(frozen=True, slots=True)
+class QueueStats:
+    """The queue as one tenant's admission sees it (read from another thread: an estimate)."""
+
+    must_wait: int  # waiting requests that the next step cannot admit
+    must_wait_prompt_tokens: int
+    tenant_must_wait: int  # of them, the asking tenant's
+    shared: bool  # another tenant has a live request
+    admission_rate: float  # admissions a second: measured, else estimated from the warm-up
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    """The engine's gauges and counters, read when /metrics is scraped."""
+
+    running: int
+    waiting: int
+    oldest_waiting_seconds: float
+    pages_usable: int
+    pages_free: int
+    pages_used: int  # held by live requests
+    pages_cached: int  # held by no one, kept for the prefix cache (evictable)
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    compiles_after_warmup: int
+
+
+class EngineClient:
+    """An LLM's engine as the server uses it (thread-safe; the engine runs on its own
+    thread between `start` and `stop`)."""
+
+    def __init__(self, llm: LLM, typical_output_tokens: int):
+        self._llm = llm
+        self._engine = llm.engine
+        self._scheduler = llm.scheduler
+        self._runner = llm.runner
+        self._estimated_rate = self._warmup_admission_rate(typical_output_tokens)
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        return self._llm.tokenizer
+
+    @property
+    def model_path(self) -> Path:
+        return self._llm.model_path
+
+    @property
+    def max_model_len(self) -> int:
+        return self._scheduler.max_model_len
+
+    @property
+    def num_buckets(self) -> int:
+        """Step shapes compiled at start-up."""
+        return len(self._runner.step_times)
+
+    # ---------------------------------------------------------------- requests
+
+    def encode(self, prompt: str | Sequence[int]) -> list[int]:
+        """A prompt's ids (RequestRejected when empty or out of the vocabulary)."""
+        return self._llm.encode(prompt)
+
+    def check(self, prompt_ids: Sequence[int], params: SamplingParams) -> None:
+        """RequestRejected if such a request could never run; queues nothing."""
+        self._engine.check(prompt_ids, params)
+
+    def submit(
+        self,
+        prompt_ids: Sequence[int],
+        params: SamplingParams,
+        tenant: str,
+        priority: int,
+        loop: asyncio.AbstractEventLoop,
+        lazy: bool,
+        cache_salt: str = "",
+    ) -> OutputStream:
+        return self._engine.submit(
+            prompt_ids, params, tenant=tenant, priority=priority, loop=loop, lazy=lazy,
+            cache_salt=cache_salt,
+        )
+
+    def cancel(self, request_id: str) -> None:
+        self._engine.cancel(request_id)
+
+    def cancel_all(self) -> None:
+        for request_id in list(self._engine.requests):
+            self._engine.cancel(request_id)
+
+    def num_live(self) -> int:
+        """Requests submitted and not yet finished."""
+        return len(self._engine.requests)
+
+    def live_requests(self) -> list[LiveRequest]:
+        return self._engine.live_requests()
+
+    # ---------------------------------------------------------------- admission, gauges
+
+    def queue_stats(self, tenant: str) -> QueueStats:
+        waiting = self._engine.must_wait()
+        live = list(self._engine.requests.values())
+        return QueueStats(
+            len(waiting),
+            sum(len(r.prompt_ids) for r in waiting),
+            sum(r.tenant == tenant for r in waiting),
+            any(r.tenant != tenant for r in live),
+            self._engine.admission_rate() or self._estimated_rate,
+        )
+
+    def _warmup_admission_rate(self, output_tokens: int) -> float:
+        """Admissions a second before any are measured: a full batch of decode rows, at
+        the warm-up's step time for it, each generating `output_tokens`."""
+        rows = self._scheduler.max_batch
+        step_s = self._runner.step_times.get(self._runner.buckets.choose(rows, rows))
+        if not step_s:
+            return 0.0
+        return self._scheduler.num_shards * rows / (step_s * output_tokens)
+
+    def stats(self) -> EngineStats:
+        s = self._scheduler
+        return EngineStats(
+            len(s.running),
+            self._engine.num_waiting(),
+            self._engine.oldest_waiting_age(),
+            s.num_pages_usable,
+            s.num_pages_free,
+            s.num_pages_used,
+            s.num_pages_cached,
+            s.prefix_queries,
+            s.prefix_hits,
+            self._runner.compiles_after_warmup,
+        )
+
+    # ---------------------------------------------------------------- thread
+
+    def start(self, on_step: Callable[[StepPlan, float], None] | None = None) -> None:
+        self._engine.on_step = on_step
+        self._engine.start()
+
+    def stop(self) -> None:
+        self._engine.stop()
+        if self._runner.channel is not None:  # release the other processes
+            self._runner.channel.stop()

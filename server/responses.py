@@ -1,0 +1,192 @@
+"""From engine streams to an HTTP answer: one JSON body, or SSE events as tokens come.
+
+Each choice of a response is one engine request with its bounded output stream. A
+pump reads it (observing the latency metrics at the engine's emit times); a stream
+writes through a bounded sink and a small socket buffer, so a client that stops
+reading stops its pumps, its engine streams fill, and the engine cancels them.
+"""
+
+import asyncio
+import logging
+import socket
+import time
+from dataclasses import dataclass, field
+
+import msgspec
+from aiohttp import web
+
+from jaxserve.stream import OutputStream, RequestOutput
+from server import openai_format as fmt
+from server.metrics import Metrics
+from server.protocol import APIError
+
+log = logging.getLogger("jaxserve.server")
+
+STREAM_SEND_BUFFER = 32 << 10  # kernel send buffer of one stream, bytes (Linux doubles it)
+
+
+class ClientStalled(ConnectionError):
+    """A streaming client stopped reading: its writes stayed blocked past the timeout."""
+
+
+@dataclass
+class Choice:
+    """One engine request behind one choice of an HTTP response."""
+
+    index: int
+    stream: OutputStream
+    prompt_ids: list[int]
+    outputs: list[RequestOutput] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None
+    ttft: float | None = None  # seconds from the HTTP request to the first token
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(o.token_ids) for o in self.outputs)
+
+
+def json_response(body: dict, status: int = 200, headers: dict | None = None) -> web.Response:
+    return web.Response(
+        body=msgspec.json.encode(body),
+        status=status,
+        headers=headers,
+        content_type="application/json",
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class Responder:
+    """Writes the answers of one server: its model's name, metrics and write timeout."""
+
+    metrics: Metrics
+    model_name: str
+    # a stream write blocked this long means the client stopped reading: drop it
+    write_timeout_s: float
+
+    async def pump(self, choice: Choice, start: float, sink: asyncio.Queue | None = None):
+        """Read one engine stream to its end, observing latency metrics on the way
+        (at the engine's emit times: a lazy stream is read in batches)."""
+        m = self.metrics
+        last = None
+        async for out in choice.stream:
+            now = out.time
+            if out.queue_seconds is not None:
+                m.request_queue_time.observe(out.queue_seconds)
+            if out.token_ids:
+                if last is None:
+                    choice.ttft = now - start
+                    m.time_to_first_token.observe(choice.ttft)
+                else:
+                    m.inter_token_latency.observe(now - last)
+                last = now
+                m.generation_tokens.inc(len(out.token_ids))
+            choice.outputs.append(out)
+            choice.text += out.text
+            if out.finished:
+                choice.finish_reason = out.finish_reason
+                m.e2e_request_latency.observe(now - start)
+                m.prompt_tokens.inc(len(choice.prompt_ids))
+                m.request_success.labels(out.finish_reason).inc()
+            if sink is not None:
+                await sink.put((choice, out))
+        if choice.finish_reason == "error":
+            raise APIError(500, "the engine failed while generating this request")
+
+    async def whole(
+        self, response_id: str, choices: list[Choice], form: fmt.ResponseFormat,
+        start: float, prompt_tokens: int,
+    ) -> web.Response:
+        """Wait for every choice, then answer with one JSON body."""
+        await asyncio.gather(*(self.pump(c, start) for c in choices))
+        usage = fmt.usage(prompt_tokens, sum(c.num_tokens for c in choices))
+        items = [
+            form.choice(c.index, c.prompt_ids, c.text, c.outputs, c.finish_reason)
+            for c in choices
+        ]
+        return json_response(fmt.body(form.object_name, response_id, self.model_name, items,
+                                      usage))
+
+    async def stream(
+        self,
+        http: web.Request,
+        response_id: str,
+        choices: list[Choice],
+        form: fmt.ResponseFormat,
+        start: float,
+        prompt_tokens: int,
+        include_usage: bool,
+    ) -> web.StreamResponse:
+        """Answer with SSE events as tokens come, ending with [DONE]."""
+        resp = web.StreamResponse(
+            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+        )
+        sock = http.transport.get_extra_info("socket") if http.transport else None
+        if sock is not None:
+            # Autotuning grows a stalled reader's send buffer to megabytes; capped, the
+            # writes below soon block, and with them the pumps (see `sink`).
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, STREAM_SEND_BUFFER)
+        await resp.prepare(http)
+        # Bounded, so a client that stops reading stops the pumps too: its engine
+        # stream then fills and the engine cancels it (an unbounded sink would
+        # buffer its whole output here instead).
+        sink: asyncio.Queue = asyncio.Queue(maxsize=len(choices))
+        pumps = [asyncio.create_task(self.pump(c, start, sink)) for c in choices]
+
+        def chunk(items: list[dict], usage: dict | None = None) -> dict:
+            return fmt.body(form.chunk_name, response_id, self.model_name, items, usage)
+
+        async def send(body: dict | None) -> None:
+            """One SSE event (None: the final [DONE]); ClientStalled if the client does not
+            take it within the write timeout."""
+            data = b"[DONE]" if body is None else msgspec.json.encode(body)
+            try:
+                # a timeout scope, not wait_for: that starts a task for every event
+                async with asyncio.timeout(self.write_timeout_s):
+                    await resp.write(b"data: " + data + b"\n\n")
+            except TimeoutError:
+                raise ClientStalled(response_id) from None
+
+        try:
+            for c in choices:
+                opening = form.opening(c.index, c.prompt_ids)
+                if opening is not None:
+                    await send(chunk([opening]))
+            done = 0
+            while done < len(choices):
+                choice, out = await sink.get()
+                done += out.finished
+                if out.finish_reason == "error":
+                    raise APIError(500, "the engine failed while generating this request")
+                item = form.delta(choice.index, choice.prompt_ids, out)
+                if out.text or out.finished or item["logprobs"]:
+                    await send(chunk([item]))
+            if include_usage:
+                usage = fmt.usage(prompt_tokens, sum(c.num_tokens for c in choices))
+                await send(chunk([], usage))
+            await send(None)
+        except ClientStalled:
+            log.info("client of %s stopped reading: closing its connection", response_id)
+            if http.transport is not None:
+                http.transport.abort()
+        except ConnectionError:
+            log.info("client of %s went away: cancelling", response_id)
+        finally:
+            for task in pumps:
+                task.cancel()
+        return resp
+
+
+def log_request(c: Choice, tenant: str, start: float) -> None:
+    """One line per finished request; never the prompt text."""
+    ttft = "-" if c.ttft is None else f"{c.ttft:.3f}s"
+    log.info(
+        "request %s tenant=%s prompt_tokens=%d output_tokens=%d ttft=%s e2e=%.3fs finish=%s",
+        c.stream.request_id,
+        tenant,
+        len(c.prompt_ids),
+        c.num_tokens,
+        ttft,
+        time.monotonic() - start,
+        c.finish_reason or "cancelled",
+    )
