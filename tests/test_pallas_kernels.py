@@ -12,10 +12,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxserve.pallas_kernels.blocked_jnp import blocked_paged_attention, tile_shape
 from jaxserve.pallas_kernels.paged_attention import fit_pages_per_block, paged_attention
 from jaxserve.pallas_kernels.ragged_attention import ragged_paged_attention
 from jaxserve.pallas_kernels.reference import (
     paged_attention_reference,
+    ragged_paged_attention_reference,
     ragged_paged_attention_reference_lens,
 )
 
@@ -170,6 +172,60 @@ def test_ragged_decode_rows_equal_the_decode_kernel():
     ragged = run_ragged(q[kv_lens > 0], k, v, cu_q_lens, kv_lens, page_table)
     np.testing.assert_allclose(ragged, np.asarray(decode)[kv_lens > 0], rtol=RTOL, atol=ATOL)
 
+
+
+
+# -- blocked jnp (the CPU path): the packer's layout, a padding row last -----------------
+
+
+def packed(rows: list[tuple[int, int]], num_tokens: int) -> tuple[np.ndarray, np.ndarray]:
+    """seq_ids and positions as batch.pack_step lays them out: rows in order, then
+    padding tokens at position 0 of the padding row (the page table's last)."""
+    seq_ids = np.full(num_tokens, len(rows), np.int32)
+    positions = np.zeros(num_tokens, np.int32)
+    offset = 0
+    for row, (q_len, kv_len) in enumerate(rows):
+        seq_ids[offset : offset + q_len] = row
+        positions[offset : offset + q_len] = np.arange(kv_len - q_len, kv_len)
+        offset += q_len
+    return seq_ids, positions
+
+
+@pytest.mark.parametrize("num_tokens", [NUM_TOKENS, len(EDGE_ROWS) + 1, 64])
+@pytest.mark.parametrize(("group", "num_kv_heads"), GQA, ids=gqa_ids)
+def test_blocked_matches_reference(group, num_kv_heads, num_tokens):
+    """Every token against the dense reference, whatever the split of the batch into rows
+    and so into query tiles (few tokens a row, or one row holding most of them)."""
+    rng = np.random.default_rng(200 + group + num_tokens)
+    k, v = make_pool(rng, num_kv_heads)
+    cases = [[(1, LONG)] * 4 + [(1, 9)] * 4, [(num_tokens - 7, num_tokens - 3)] + [(1, 5)] * 7]
+    cases += [rows for rows in ragged_cases(rng, num_random=3)
+              if sum(q for q, _ in rows) <= num_tokens]
+    for rows in cases:
+        seq_ids, positions = packed(rows, num_tokens)
+        kv_lens = np.array([kv for _, kv in rows] + [0], np.int32)
+        page_table = assign_pages(rng, kv_lens)  # the padding row: all the null page
+        q = rng.standard_normal((num_tokens, group * num_kv_heads, HEAD_DIM), np.float32)
+        got = blocked_paged_attention(
+            q, k[None], v[None], jnp.int32(0), seq_ids, positions, page_table, SCALE,
+            pages_per_block=PAGES_PER_BLOCK,
+        )
+        want = in_f64(ragged_paged_attention_reference, q, k, v, seq_ids, positions,
+                      page_table)
+        live = sum(q_len for q_len, _ in rows)
+        np.testing.assert_allclose(np.asarray(got)[:live], want[:live], rtol=RTOL, atol=ATOL,
+                                   err_msg=str(rows))
+
+
+def test_query_tiles_cover_any_split_of_the_batch():
+    """Enough tiles for the worst split: every row but one a single token, the rest one
+    row, and rows of a tile's length plus one."""
+    for num_tokens, num_rows in [(1, 2), (16, 17), (128, 17), (256, 17), (128, 2), (64, 9)]:
+        size, tiles = tile_shape(num_tokens, num_rows)
+        for lens in ([1] * (num_rows - 1) + [num_tokens - num_rows + 1],
+                     [size + 1] * (num_tokens // (size + 1))):
+            lens = [n for n in lens if n > 0][:num_rows]
+            assert sum(-(-n // size) for n in lens) <= tiles, (num_tokens, num_rows, lens)
 
 
 def test_whole_cache_with_a_layer_reads_that_layer():
