@@ -36,37 +36,46 @@ def pack_step(
             f"({num_rows} sequences, {num_tokens} tokens)"
         )
     pad_row = num_rows  # an extra, all-null row of the page table
-    token_ids = np.zeros(num_tokens, np.int32)
-    positions = np.zeros(num_tokens, np.int32)
-    seq_ids = np.full(num_tokens, pad_row, np.int32)
-    slot_mapping = np.full(num_tokens, NULL_PAGE * page_size, np.int32)
+    n = len(chunks)
+    # one numpy call a field, not a few per chunk: at 256 decode rows the host has ~1 ms
+    lens = np.fromiter((len(c.token_ids) for c in chunks), np.int32, n)
+    starts = np.fromiter((c.start for c in chunks), np.int32, n)
+    num_pages = np.fromiter((len(c.pages) for c in chunks), np.int32, n)
+    ends = starts + lens
+    short = (num_pages > max_pages) | ((ends + page_size - 1) // page_size > num_pages)
+    if short.any():
+        i = int(np.argmax(short))
+        raise ValueError(
+            f"row {i}: {num_pages[i]} pages do not cover positions up to {ends[i]} "
+            f"(page_size {page_size}, max_pages {max_pages})"
+        )
+    offsets = np.cumsum(lens) - lens  # each chunk's first token in the batch
     page_table = np.full((num_rows + 1, max_pages), NULL_PAGE, np.int32)
-    cu_q_lens = np.zeros(num_rows + 2, np.int32)
+    flat_pages = np.fromiter((p for c in chunks for p in c.pages), np.int32, int(num_pages.sum()))
+    page_rows = np.repeat(np.arange(n, dtype=np.int32), num_pages)
+    page_table[page_rows, np.arange(len(flat_pages)) - np.repeat(np.cumsum(num_pages) - num_pages,
+                                                                   num_pages)] = flat_pages
+    token_ids = np.zeros(num_tokens, np.int32)
+    token_ids[:total] = np.fromiter((t for c in chunks for t in c.token_ids), np.int32, total)
+    seq_ids = np.full(num_tokens, pad_row, np.int32)
+    seq_ids[:total] = np.repeat(np.arange(n, dtype=np.int32), lens)
+    positions = np.zeros(num_tokens, np.int32)
+    positions[:total] = np.arange(total, dtype=np.int32) + np.repeat(starts - offsets, lens)
+    slot_mapping = np.full(num_tokens, NULL_PAGE * page_size, np.int32)
+    live = positions[:total]
+    slot_mapping[:total] = page_table[seq_ids[:total], live // page_size] * page_size + (
+        live % page_size
+    )
+    cu_q_lens = np.full(num_rows + 2, total, np.int32)
+    cu_q_lens[: n + 1] = np.concatenate([[0], np.cumsum(lens)])
     kv_lens = np.zeros(num_rows + 1, np.int32)
+    kv_lens[:n] = ends
     logits_indices = np.zeros(num_rows, np.int32)
+    logits_indices[:n] = offsets + lens - 1
     prompt_rows = np.full(num_tokens, spare_row, np.int32)
-    offset = 0
-    for i, chunk in enumerate(chunks):
-        n = len(chunk.token_ids)
-        span = slice(offset, offset + n)
-        pos = np.arange(chunk.start, chunk.start + n, dtype=np.int32)
-        pages = np.asarray(chunk.pages, np.int32)
-        if len(pages) > max_pages or (chunk.start + n + page_size - 1) // page_size > len(pages):
-            raise ValueError(
-                f"row {i}: {len(pages)} pages do not cover positions up to "
-                f"{chunk.start + n} (page_size {page_size}, max_pages {max_pages})"
-            )
-        token_ids[span] = chunk.token_ids
-        positions[span] = pos
-        seq_ids[span] = i
-        slot_mapping[span] = pages[pos // page_size] * page_size + pos % page_size
-        page_table[i, : len(pages)] = pages
+    for chunk, offset, length in zip(chunks, offsets.tolist(), lens.tolist()):
         if chunk.is_prompt and chunk.row is not None:
-            prompt_rows[span] = chunk.row
-        logits_indices[i] = offset + n - 1
-        kv_lens[i] = chunk.start + n
-        offset += n
-        cu_q_lens[i + 1 :] = offset
+            prompt_rows[offset : offset + length] = chunk.row
     padding = [Chunk((), 1, (), samples=False)] * (num_rows - len(chunks))
     rows = list(chunks) + padding
     sampling = SamplingTensors(

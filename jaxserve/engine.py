@@ -27,7 +27,7 @@ from jaxserve.config import SamplingParams
 from jaxserve.output_text import OutputText
 from jaxserve.plan import StepPlan
 from jaxserve.request import Request
-from jaxserve.results import StepOutput
+from jaxserve.results import StepOutput, StepTime
 from jaxserve.scheduler import Scheduler
 from jaxserve.stream import OutputStream, RequestOutput, notify
 from jaxserve.tokenizer import Tokenizer
@@ -70,7 +70,7 @@ class Engine:
         tokenizer: Tokenizer,
         eos_token_ids: tuple[int, ...],
         stream_capacity: int = 64,
-        on_step: Callable[[StepPlan, float], None] | None = None,
+        on_step: Callable[[StepPlan, StepTime], None] | None = None,
         debug_checks: bool = False,
         proposer: Proposer | None = None,
     ):
@@ -153,6 +153,7 @@ class Engine:
 
     def step(self) -> StepPlan:
         """One iteration: take in new and cancelled requests, schedule, run, post-process."""
+        start = time.perf_counter()
         self._take_inbox()
         plan = self.scheduler.schedule()
         now = time.monotonic()
@@ -161,13 +162,14 @@ class Engine:
             self._admissions.append(now)
         if not plan.chunks:
             return plan
-        start = time.perf_counter()
         output = self.runner.execute(plan)
         self._postprocess(plan, output)
         if self.debug_checks:
             self.scheduler.check_invariants()
         if self.on_step is not None:
-            self.on_step(plan, time.perf_counter() - start)
+            seconds = time.perf_counter() - start
+            device = output.device_seconds
+            self.on_step(plan, StepTime(seconds - device, device))
         return plan
 
     def _postprocess(self, plan: StepPlan, output: StepOutput) -> None:

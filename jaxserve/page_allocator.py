@@ -24,13 +24,18 @@ class PageAllocationError(RuntimeError):
     """A page was freed twice, by a non-owner, or more pages were asked for than exist."""
 
 
-def page_keys(token_ids: Sequence[int], page_size: int, salt: str = "") -> list[bytes]:
+def page_keys(
+    token_ids: Sequence[int], page_size: int, salt: str = "", parent: bytes | None = None
+) -> list[bytes]:
     """Keys of the full pages of `token_ids`: each hashes its tokens and its parent's key.
 
     A `salt` (the tenant) gives each tenant its own key space, so no tenant can
-    learn by timing whether another tenant sent a prompt.
+    learn by timing whether another tenant sent a prompt. `parent`, the key of the
+    page before `token_ids` (whose salt it carries), continues a chain.
     """
-    keys, parent = [], salt.encode()
+    keys = []
+    if parent is None:
+        parent = salt.encode()
     for start in range(0, len(token_ids) - page_size + 1, page_size):
         digest = hashlib.blake2b(parent, digest_size=16)
         digest.update(b",".join(str(t).encode() for t in token_ids[start : start + page_size]))

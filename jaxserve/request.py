@@ -33,6 +33,7 @@ class Request:
     num_computed: int = 0  # tokens whose K/V are in the cache
     num_cached_tokens: int = 0  # prompt tokens reused from the prefix cache
     num_registered_pages: int = 0  # leading full pages recorded as cached content
+    last_page_key: bytes | None = None  # the key of the last of them, once one is computed
     token_ids: list[int] = field(init=False)  # the prompt, then every token generated
     spec_token_ids: tuple[int, ...] = ()  # draft tokens for the next step to verify
     # its client's side (the engine's)

@@ -30,6 +30,8 @@ class StepOutput:
     # request id -> one row per token of its prompt chunk this step: the prompt token
     # that follows it and that token's logprob (for requests asking prompt logprobs)
     prompt_logprobs: dict[str, "StepOutput"] = field(default_factory=dict)
+    # seconds the host waited on the device for this step's results (0: no device)
+    device_seconds: float = 0.0
 
     def accepted(self, row: int) -> list[int]:
         return self.tokens[row, : self.num_accepted[row]].tolist()
@@ -48,3 +50,17 @@ class StepOutput:
             results[:, None, 2 : 2 + n].astype(np.int32),
             results[:, None, 2 + n :],
         )
+
+
+@dataclass(frozen=True, slots=True)
+class StepTime:
+    """Where one engine step's time went: waiting on the device, and everything else
+    (take in, schedule, pack, transfer, unpack, post-process, emit), which on a GPU is
+    most of a small model's step."""
+
+    host_seconds: float
+    device_seconds: float
+
+    @property
+    def seconds(self) -> float:
+        return self.host_seconds + self.device_seconds

@@ -186,9 +186,13 @@ class ModelRunner:
         inputs, order = self._pack(chunks, bucket)
         if self.channel is not None:
             self.channel.send(STEP, bucket, inputs)
+        start = time.perf_counter()
         results = self.dispatch_step(inputs, bucket)
+        results = np.asarray(jax.device_get(results))
+        device = time.perf_counter() - start  # dispatch, compute and the copy back
         samples = np.array([c.samples for c in chunks], bool)
-        return StepOutput.unpack(np.asarray(jax.device_get(results))[order], samples)
+        output = StepOutput.unpack(results[order], samples)
+        return dataclasses.replace(output, device_seconds=device)
 
     def _step_pack(self, chunks: list[Chunk], bucket: tuple[int, int]) -> StepInputs:
         num_tokens, num_rows = bucket

@@ -308,11 +308,17 @@ class Scheduler:
         full = request.num_computed // self.page_size
         if full <= request.num_registered_pages:
             return
-        keys = page_keys(request.token_ids[: full * self.page_size], self.page_size,
-                         request.cache_salt)
-        for i in range(request.num_registered_pages, full):
-            self.allocators[request.shard].register(request.pages[i], keys[i])
-        request.num_registered_pages = full
+        done, size = request.num_registered_pages, self.page_size
+        if done and request.last_page_key is None:  # pages shared from the cache at admission
+            request.last_page_key = page_keys(request.token_ids[: done * size], size,
+                                              request.cache_salt)[-1]
+        # only the new pages are hashed, chained from the last key: hashing the whole
+        # sequence again each time a page fills cost O(length²)
+        keys = page_keys(request.token_ids[done * size : full * size], size, request.cache_salt,
+                         request.last_page_key)
+        for page, key in zip(request.pages[done:full], keys):
+            self.allocators[request.shard].register(page, key)
+        request.num_registered_pages, request.last_page_key = full, keys[-1]
 
     def check_invariants(self) -> None:
         """Assert the page books balance: each page owned once, by the sequence holding it."""

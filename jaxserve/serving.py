@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 from jaxserve.config import SamplingParams
 from jaxserve.engine import LiveRequest
 from jaxserve.plan import StepPlan
+from jaxserve.results import StepTime
 from jaxserve.stream import OutputStream
 from jaxserve.tokenizer import Tokenizer
 
@@ -157,7 +158,7 @@ class EngineClient:
 
     # ---------------------------------------------------------------- thread
 
-    def start(self, on_step: Callable[[StepPlan, float], None] | None = None) -> None:
+    def start(self, on_step: Callable[[StepPlan, StepTime], None] | None = None) -> None:
         self._engine.on_step = on_step
         self._engine.start()
 

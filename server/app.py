@@ -90,7 +90,7 @@ class Server:
         # server: frozen, the collector never scans them again. Unfrozen, each full
         # collection held the GIL ~200 ms, a pause in every stream.
         gc.freeze()
-        client.start(on_step=lambda plan, seconds: self.metrics.step_seconds.observe(seconds))
+        client.start(on_step=lambda plan, time: self.metrics.observe_step(time))
         self.client = client
         self.ready = True
         log.info("ready: %s, %d buckets compiled", self.model_name, client.num_buckets)

@@ -9,8 +9,12 @@ from collections.abc import Callable
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily
 
+from jaxserve.results import StepTime
 from jaxserve.serving import EngineStats
 
+# a step's host part is a fraction of a millisecond on a GPU: finer buckets at the low end
+STEP_PART_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1,
+                     0.25, 0.5, 1, 2.5)
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
 
@@ -61,6 +65,18 @@ class Metrics:
         self.step_seconds = Histogram(
             "jaxserve:step_seconds", "Engine step time", buckets=LATENCY_BUCKETS, registry=r
         )
+        self.step_host_seconds = Histogram(
+            "jaxserve:step_host_seconds",
+            "Host time of an engine step: schedule, pack, transfer, unpack, post-process, emit",
+            buckets=STEP_PART_BUCKETS,
+            registry=r,
+        )
+        self.step_device_seconds = Histogram(
+            "jaxserve:step_device_seconds",
+            "Time an engine step waited on the device for its results",
+            buckets=STEP_PART_BUCKETS,
+            registry=r,
+        )
         self.prompt_tokens = Counter("jaxserve:prompt_tokens", "Prompt tokens", registry=r)
         self.generation_tokens = Counter(
             "jaxserve:generation_tokens", "Generated tokens", registry=r
@@ -95,6 +111,11 @@ class Metrics:
         self.oldest_waiting_seconds.set_function(lambda: stats().oldest_waiting_seconds)
         self.kv_pages_cached.set_function(lambda: stats().pages_cached)
         self.registry.register(_EngineCounters(stats))
+
+    def observe_step(self, time: StepTime) -> None:
+        self.step_seconds.observe(time.seconds)
+        self.step_host_seconds.observe(time.host_seconds)
+        self.step_device_seconds.observe(time.device_seconds)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

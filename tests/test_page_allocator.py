@@ -103,3 +103,13 @@ def test_null_page_is_never_handed_out():
     alloc = PageAllocator(5)
     assert sorted(alloc.allocate("x", 4)) == [1, 2, 3, 4]
     assert not alloc.can_allocate(1)
+
+
+def test_page_keys_chain_from_a_parent():
+    """Keys computed page by page from the previous key equal the whole prefix's keys (the
+    scheduler hashes only newly filled pages)."""
+    tokens = list(range(40, 72))
+    whole = page_keys(tokens, 4, "tenant")
+    head = page_keys(tokens[:12], 4, "tenant")
+    assert head + page_keys(tokens[12:], 4, "tenant", parent=head[-1]) == whole
+    assert page_keys(tokens, 4, "other") != whole

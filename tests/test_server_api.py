@@ -39,6 +39,8 @@ METRICS = [
     "jaxserve:e2e_request_latency_seconds",
     "jaxserve:request_queue_time_seconds",
     "jaxserve:step_seconds",
+    "jaxserve:step_host_seconds",
+    "jaxserve:step_device_seconds",
     "jaxserve:prompt_tokens_total",
     "jaxserve:generation_tokens_total",
     "jaxserve:request_success_total",
