@@ -36,7 +36,14 @@ def main(argv: list[str] | None = None) -> int:
     conv.add_argument("src", help="GGUF file or HF directory")
     conv.add_argument("--out", required=True, type=Path)
 
-    serve = commands.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
+    serve = commands.add_parser(
+        "serve", help="serve the OpenAI-compatible HTTP API",
+        description="Serve the OpenAI-compatible HTTP API. Start-up compiles every step "
+        "shape (bucket) before serving, a line each (and /health says how many while it "
+        "answers 503): minutes on a CPU the first time. To start fast, keep "
+        "--compilation-cache-dir (a second start loads the compiled buckets instead of "
+        "compiling them) and compile fewer buckets with --buckets (e.g. 1,16,256:1,16).",
+    )
     serve.add_argument("--model", help="GGUF file, HF directory or converted checkpoint")
     serve.add_argument("--served-model-name", help="the model id clients name (default: file)")
     serve.add_argument("--host", default="127.0.0.1")

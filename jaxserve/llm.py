@@ -4,7 +4,7 @@
 scheduler and runner from one EngineConfig.
 """
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,7 +17,7 @@ from jaxserve.engine import Engine
 from jaxserve.loader import load
 from jaxserve.page_allocator import PageAllocator
 from jaxserve.request import check_prompt_ids
-from jaxserve.runner import ModelRunner, enable_compilation_cache
+from jaxserve.runner import ModelRunner, WarmupProgress, enable_compilation_cache
 from jaxserve.scheduler import Scheduler
 from jaxserve.sharding import make_mesh
 
@@ -44,9 +44,13 @@ class LLM:
         config: EngineConfig | None = None,
         *,
         warmup: bool = False,
+        warmup_progress: Callable[[WarmupProgress], None] | None = None,
         **overrides,
     ):
-        """`overrides` are EngineConfig fields (e.g. `max_batch=8, num_pages=256`)."""
+        """`overrides` are EngineConfig fields (e.g. `max_batch=8, num_pages=256`).
+
+        `warmup` compiles every bucket now (as a server must, before serving), telling
+        `warmup_progress` of each (default: a log line each)."""
         self.engine_config = config or EngineConfig(**overrides)
         if config is not None and overrides:
             raise TypeError("pass either config or EngineConfig fields, not both")
@@ -83,10 +87,15 @@ class LLM:
                 "tpot_slo_ms caps the batch by the warm-up's step times: pass warmup=True"
             )
         if warmup:
-            # the TPOT bound needs the worst-case (full-context) step times
-            self.runner.warmup(worst_case=cfg.tpot_slo_ms is not None)
             if cfg.tpot_slo_ms is not None:
+                # the TPOT bound needs every bucket's worst-case (full-context) step time
+                self.runner.warmup(worst_case=True, progress=warmup_progress)
                 max_batch = max(1, self.runner.max_batch_under(cfg.tpot_slo_ms / 1000))
+            else:
+                # only a full batch's decode step is timed (admission's first rate
+                # estimate): timing every bucket tripled a warm restart's warm-up
+                full = buckets.choose(max_batch, max_batch)
+                self.runner.warmup(worst_case=False, timed={full}, progress=warmup_progress)
         self.scheduler = Scheduler(
             [PageAllocator(cfg.num_pages) for _ in range(cfg.dp)],
             buckets,

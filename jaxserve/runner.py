@@ -14,10 +14,10 @@ shard's batch is packed on its own and the packs are concatenated, so the step
 
 import dataclasses
 import logging
-import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Collection, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import jax
@@ -39,6 +39,34 @@ from jaxserve.sharding import DATA, Layout
 from jaxserve.step import StepInputs, jit_score, jit_step
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class WarmupProgress:
+    """One bucket compiled (or loaded from the compilation cache) at start-up."""
+
+    done: int  # buckets compiled so far, this one included
+    total: int
+    kind: str  # "step", or "score" (the prompt-logprob pass of one token size)
+    shape: tuple[int, int]  # (num_tokens, num_rows)
+    seconds: float  # this bucket's compile (and first run)
+    elapsed: float  # since the warm-up began
+
+    @property
+    def remaining(self) -> float:
+        """Seconds left, at the pace so far (an estimate: larger buckets come last)."""
+        return self.elapsed / self.done * (self.total - self.done)
+
+
+    def __str__(self) -> str:
+        tokens, rows = self.shape
+        return (f"compiled {self.kind} bucket {tokens}x{rows} in {self.seconds:.1f} s "
+                f"({self.done}/{self.total}, ~{self.remaining:.0f} s left)")
+
+
+def _log_progress(progress: WarmupProgress) -> None:
+    log.info("%s", progress)
+
 
 _BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 
@@ -229,45 +257,62 @@ class ModelRunner:
             self.compiles_after_warmup += _COMPILES.count - before
             log.error("compiled while serving: bucket %s (a shape outside the table)", bucket)
 
-    def warmup(self, repeats: int = 3, worst_case: bool = True) -> dict[tuple[int, int], float]:
-        """Compile and time every bucket on dummy inputs that touch only the null page.
+    def warmup(
+        self,
+        repeats: int = 3,
+        worst_case: bool = True,
+        timed: Collection[tuple[int, int]] | None = None,
+        progress: Callable[[WarmupProgress], None] | None = None,
+    ) -> dict[tuple[int, int], float]:
+        """Compile every bucket on dummy inputs that touch only the null page, and time
+        the `timed` ones (default: all) into `step_times`.
 
         With `worst_case` the dummy rows sit at the end of the longest context, so
         the measured step times are the worst case that the TPOT bound needs (on a
         CPU, minutes per bucket at an 8k context: attention loops over the pages a
         row holds). Without it they sit at the start: the compile is the same, the
         times are the short-context ones. The prompt-logprob pass (`step.score`) is
-        compiled for every token size too.
+        compiled for every token size too. `progress` hears of each compile (default:
+        a log line each, with an estimate of the time left).
         """
+        progress = progress or _log_progress
         context = self.max_pages * self.page_size if worst_case else 0
+        buckets = self.buckets.buckets()
+        total = len(self.buckets.token_sizes) + len(buckets)
+        began = time.perf_counter()
+        done = 0
+
+        def report(kind: str, shape: tuple[int, int], seconds: float) -> None:
+            nonlocal done
+            done += 1
+            progress(WarmupProgress(done, total, kind, shape, seconds,
+                                    time.perf_counter() - began))
+
         for num_tokens in self.buckets.token_sizes:
-            start = max(0, context - num_tokens)
+            start = time.perf_counter()
+            offset = max(0, context - num_tokens)
             targets = (0,) * num_tokens
             pages = [NULL_PAGE] * self.max_pages
-            self._score_chunk(Chunk(targets, start, pages, score_targets=targets))
-        buckets = self.buckets.buckets()
-        show = sys.stderr.isatty()
-        for i, (num_tokens, num_rows) in enumerate(buckets):
+            self._score_chunk(Chunk(targets, offset, pages, score_targets=targets))
+            report("score", (num_tokens, 1), time.perf_counter() - start)
+        for num_tokens, num_rows in buckets:
             n = num_tokens // num_rows
             dummy = [  # a full batch on every shard
                 Chunk([0] * n, max(0, context - n), [NULL_PAGE] * self.max_pages, shard=s)
                 for s in range(self.num_shards)
                 for _ in range(num_rows)
             ]
+            start = time.perf_counter()
             self._run(dummy, (num_tokens, num_rows))  # compile
+            report("step", (num_tokens, num_rows), time.perf_counter() - start)
+            if timed is not None and (num_tokens, num_rows) not in timed:
+                continue
             times = []
             for _ in range(repeats):
                 start = time.perf_counter()
                 self._run(dummy, (num_tokens, num_rows))
                 times.append(time.perf_counter() - start)
             self.step_times[(num_tokens, num_rows)] = float(np.median(times))
-            if show:
-                print(
-                    f"\rwarm-up: {i + 1}/{len(buckets)} buckets compiled",
-                    end="" if i + 1 < len(buckets) else "\n",
-                    file=sys.stderr,
-                    flush=True,
-                )
         self.warm = True
         return self.step_times
 

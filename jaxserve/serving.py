@@ -78,7 +78,7 @@ class EngineClient:
     @property
     def num_buckets(self) -> int:
         """Step shapes compiled at start-up."""
-        return len(self._runner.step_times)
+        return len(self._runner.buckets.buckets())
 
     # ---------------------------------------------------------------- requests
 

@@ -65,6 +65,7 @@ class Server:
         self.ready = False
         self.draining = False
         self.load_error: str | None = None
+        self.warmup: tuple[int, int] = (0, 0)  # buckets compiled, of how many
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -73,7 +74,8 @@ class Server:
         from jaxserve.llm import LLM  # jax loads here, off the event loop
 
         try:
-            llm = LLM(self.config.model, self.config.engine, warmup=True)
+            llm = LLM(self.config.model, self.config.engine, warmup=True,
+                      warmup_progress=self._compiled)
         except Exception as e:
             log.exception("model failed to load")
             self.load_error = str(e)
@@ -94,6 +96,11 @@ class Server:
         self.client = client
         self.ready = True
         log.info("ready: %s, %d buckets compiled", self.model_name, client.num_buckets)
+
+    def _compiled(self, progress) -> None:
+        """Each bucket compiled at start-up: logged, and counted for /health."""
+        self.warmup = (progress.done, progress.total)
+        log.info("%s", progress)
 
     async def drain(self) -> None:
         """Refuse new work (503), let live requests finish, cancel what is left."""
@@ -226,8 +233,12 @@ class Server:
     async def health(self, request: web.Request) -> web.Response:
         if self.load_error:
             return json_response({"status": "failed", "error": self.load_error}, status=503)
-        if self.draining or not self.ready:
-            return json_response({"status": "draining" if self.draining else "loading"}, status=503)
+        if self.draining:
+            return json_response({"status": "draining"}, status=503)
+        if not self.ready:
+            compiled, buckets = self.warmup
+            body = {"status": "loading", "compiled": compiled, "buckets": buckets}
+            return json_response(body, status=503)
         return json_response({"status": "ok"})
 
     async def metrics_route(self, request: web.Request) -> web.Response:

@@ -1,12 +1,15 @@
 """A real `jaxserve serve` process on loopback, driven by the official openai client."""
 
 import json
+import subprocess
+import sys
+import time
 import urllib.error
 import urllib.request
 
 import openai
 import pytest
-from serving import running_server, save_tiny_chat_model
+from serving import ROOT, free_port, running_server, save_tiny_chat_model
 
 pytestmark = pytest.mark.slow  # starts servers or multi-device processes
 
@@ -77,3 +80,39 @@ def test_tiny_model_serves_text(tmp_path_factory, smollm2_gguf):
             model=name, prompt="Hello", max_tokens=5, seed=1, extra_body={"ignore_eos": True}
         )
         assert out.usage.completion_tokens == 5
+
+
+def test_health_counts_the_buckets_compiled_while_loading(tmp_path_factory, smollm2_gguf):
+    """While it compiles, /health answers 503 with how many buckets are done, and the log
+    has a line a bucket with what is left (a fresh cache, so each compile takes a while)."""
+    tmp = tmp_path_factory.mktemp("health")
+    model = save_tiny_chat_model(tmp, smollm2_gguf)
+    port = free_port()
+    url = f"http://127.0.0.1:{port}/health"
+    cmd = [sys.executable, "-m", "jaxserve.cli", "serve", "--model", str(model), "--port",
+           str(port), "--compilation-cache-dir", str(tmp / "cache"), *SMALL]
+    bodies, ready = [], False
+    with open(tmp / "log", "w") as log:
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            deadline = time.monotonic() + 300
+            while not ready and time.monotonic() < deadline and proc.poll() is None:
+                try:
+                    with urllib.request.urlopen(url, timeout=5) as resp:
+                        ready = resp.status == 200
+                except urllib.error.HTTPError as e:
+                    bodies.append(json.load(e))
+                except OSError:
+                    pass
+                time.sleep(0.02)
+        finally:
+            proc.terminate()
+            proc.wait(timeout=60)
+    assert ready, (tmp / "log").read_text()[-2000:]
+    assert bodies and all(set(b) == {"status", "compiled", "buckets"} for b in bodies), bodies
+    assert all(b["status"] == "loading" and b["compiled"] <= b["buckets"] for b in bodies)
+    counts = [b["compiled"] for b in bodies]
+    assert counts == sorted(counts)
+    assert any(0 < b["compiled"] < b["buckets"] for b in bodies), bodies
+    lines = [x for x in (tmp / "log").read_text().splitlines() if "compiled step bucket" in x]
+    assert lines and "s left)" in lines[-1]
