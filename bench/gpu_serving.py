@@ -34,7 +34,7 @@ from pathlib import Path
 from common import PartReport, cpu_description, fmt, free_port, markdown_table, server_process
 from serve import Lengths, Workload, run
 
-from jaxserve.default_model import default_model_path
+from jaxserve.checkpoint.default_model import default_model_path
 
 ROOT = Path(__file__).resolve().parents[1]
 REFERENCE = ROOT / "bench" / "results" / "gpu" / "cpu_greedy.json"

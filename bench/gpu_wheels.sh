@@ -21,7 +21,7 @@ mkdir -p "$dest/wheels" "$dest/checkpoints"
     --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
     --platform manylinux2014_x86_64 -d "$dest/wheels" \
     msgspec==0.23.0 gguf==0.19.0 flax==0.12.12
-[ -f "checkpoints/$model" ] || "$py" jaxserve/default_model.py
+[ -f "checkpoints/$model" ] || "$py" jaxserve/checkpoint/default_model.py
 split -n 2 -d "checkpoints/$model" "$dest/checkpoints/$model.part-"
 (cd checkpoints && sha256sum "$model") > "$dest/checkpoints/SHA256SUMS"
 du -sh "$dest" "$dest"/* "$dest"/checkpoints/*

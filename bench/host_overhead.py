@@ -23,16 +23,16 @@ from pathlib import Path
 import numpy as np
 from common import RESULTS, cpu_description, markdown_table, write_json
 
-from jaxserve.batch import pack_step
-from jaxserve.buckets import BucketTable
+from jaxserve.checkpoint.default_model import default_model_path
+from jaxserve.checkpoint.tokenizer import Tokenizer
 from jaxserve.config import SamplingParams
-from jaxserve.default_model import default_model_path
-from jaxserve.engine import Engine
-from jaxserve.page_allocator import PageAllocator
-from jaxserve.plan import StepPlan
-from jaxserve.results import RESULT_WIDTH, StepOutput, StepTime
-from jaxserve.scheduler import Scheduler
-from jaxserve.tokenizer import Tokenizer
+from jaxserve.device.batch import pack_step
+from jaxserve.host.buckets import BucketTable
+from jaxserve.host.engine import Engine
+from jaxserve.host.page_allocator import PageAllocator
+from jaxserve.host.plan import StepPlan
+from jaxserve.host.results import RESULT_WIDTH, StepOutput, StepTime
+from jaxserve.host.scheduler import Scheduler
 
 PAGE_SIZE = 16
 PROMPT = 64

@@ -1,8 +1,8 @@
 """Step plans made by hand, to time the runner on chosen shapes (no jax here)."""
 
 from jaxserve.config import SamplingParams
-from jaxserve.page_allocator import PageAllocator
-from jaxserve.plan import Chunk, StepPlan
+from jaxserve.host.page_allocator import PageAllocator
+from jaxserve.host.plan import Chunk, StepPlan
 
 GREEDY = SamplingParams(max_tokens=1, temperature=0.0)
 

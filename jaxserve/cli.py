@@ -7,8 +7,8 @@ import sys
 import time
 from pathlib import Path
 
-from jaxserve.buckets import BucketTable
 from jaxserve.config import ATTENTION_BACKENDS, EngineConfig
+from jaxserve.host.buckets import BucketTable
 
 # the engine flags' defaults are EngineConfig's: one default per setting
 DEFAULTS = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
@@ -111,8 +111,8 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _convert(args: argparse.Namespace) -> int:
-    from jaxserve import orbax_checkpoint
-    from jaxserve.loader import load
+    from jaxserve.checkpoint import orbax_checkpoint
+    from jaxserve.checkpoint.loader import load
 
     start = time.perf_counter()
     model, tokenizer = load(args.src)
@@ -195,7 +195,7 @@ def _serve(args: argparse.Namespace) -> int:
     from server.app import ServerConfig, run
 
     if args.num_processes > 1:
-        from jaxserve import multihost
+        from jaxserve.device import multihost
 
         if not args.coordinator:
             raise SystemExit("--num-processes > 1 needs --coordinator HOST:PORT")
@@ -232,7 +232,7 @@ def _follow(args: argparse.Namespace) -> int:
     """A process other than 0: load the same model and engine, run process 0's steps."""
     import logging
 
-    from jaxserve import multihost
+    from jaxserve.device import multihost
     from jaxserve.llm import LLM
 
     logging.basicConfig(  # force: importing jax has set up a handler already

@@ -2,7 +2,7 @@
 
 from dataclasses import dataclass
 
-from jaxserve.buckets import BucketTable
+from jaxserve.host.buckets import BucketTable
 
 
 @dataclass(frozen=True, slots=True)

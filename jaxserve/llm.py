@@ -10,16 +10,16 @@ from pathlib import Path
 
 import jax.numpy as jnp
 
-from jaxserve.buckets import BucketTable
+from jaxserve.checkpoint.default_model import default_model_path
+from jaxserve.checkpoint.loader import load
 from jaxserve.config import EngineConfig, SamplingParams
-from jaxserve.default_model import default_model_path
-from jaxserve.engine import Engine
-from jaxserve.loader import load
-from jaxserve.page_allocator import PageAllocator
-from jaxserve.request import check_prompt_ids
-from jaxserve.runner import ModelRunner, WarmupProgress, enable_compilation_cache
-from jaxserve.scheduler import Scheduler
-from jaxserve.sharding import make_mesh
+from jaxserve.device.runner import ModelRunner, WarmupProgress, enable_compilation_cache
+from jaxserve.device.sharding import make_mesh
+from jaxserve.host.buckets import BucketTable
+from jaxserve.host.engine import Engine
+from jaxserve.host.page_allocator import PageAllocator
+from jaxserve.host.request import check_prompt_ids
+from jaxserve.host.scheduler import Scheduler
 
 
 @dataclass(frozen=True, slots=True)

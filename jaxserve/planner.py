@@ -64,7 +64,7 @@ import math
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from jaxserve.model_config import config_from_hf
+from jaxserve.checkpoint.model_config import config_from_hf
 
 GB = 1e9
 DTYPE_BYTES = {"bf16": 2.0, "fp8": 1.0, "int8": 1.0, "int4": 0.5}

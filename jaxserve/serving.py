@@ -14,12 +14,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from jaxserve.checkpoint.tokenizer import Tokenizer
 from jaxserve.config import SamplingParams
-from jaxserve.engine import LiveRequest
-from jaxserve.plan import StepPlan
-from jaxserve.results import StepTime
-from jaxserve.stream import OutputStream
-from jaxserve.tokenizer import Tokenizer
+from jaxserve.host.engine import LiveRequest
+from jaxserve.host.plan import StepPlan
+from jaxserve.host.results import StepTime
+from jaxserve.host.stream import OutputStream
 
 if TYPE_CHECKING:  # the server imports this module before jax has loaded
     from jaxserve.llm import LLM

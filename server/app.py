@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from aiohttp import web
 
 from jaxserve.config import EngineConfig, SamplingParams
-from jaxserve.request import RequestRejected
+from jaxserve.host.request import RequestRejected
 from jaxserve.serving import EngineClient
 from server import openai_format as fmt
 from server import prompts

@@ -9,7 +9,7 @@ from collections.abc import Callable
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily
 
-from jaxserve.results import StepTime
+from jaxserve.host.results import StepTime
 from jaxserve.serving import EngineStats
 
 # a step's host part is a fraction of a millisecond on a GPU: finer buckets at the low end

@@ -7,8 +7,8 @@ stream event's choice, so the routes hold no per-API branches.
 
 import time
 
-from jaxserve.stream import RequestOutput
-from jaxserve.tokenizer import Tokenizer
+from jaxserve.checkpoint.tokenizer import Tokenizer
+from jaxserve.host.stream import RequestOutput
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:

@@ -4,7 +4,7 @@ engine checks them: one place for both APIs, and the same checks `LLM` makes
 """
 
 from jaxserve.config import SamplingParams
-from jaxserve.request import RequestRejected
+from jaxserve.host.request import RequestRejected
 from jaxserve.serving import EngineClient
 from server.protocol import (
     ROLES,

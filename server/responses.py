@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import msgspec
 from aiohttp import web
 
-from jaxserve.stream import OutputStream, RequestOutput
+from jaxserve.host.stream import OutputStream, RequestOutput
 from server import openai_format as fmt
 from server.metrics import Metrics
 from server.protocol import APIError

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from jaxserve.default_model import default_model_path
+from jaxserve.checkpoint.default_model import default_model_path
 
 
 @pytest.fixture(scope="session")

@@ -7,13 +7,13 @@ prompt ending in token t continues t+1, t+2, …; token 0 is EOS.
 import numpy as np
 import tokenizers
 
-from jaxserve.buckets import BucketTable
-from jaxserve.engine import Engine
-from jaxserve.page_allocator import PageAllocator
-from jaxserve.plan import StepPlan
-from jaxserve.results import RESULT_WIDTH, StepOutput
-from jaxserve.scheduler import Scheduler
-from jaxserve.tokenizer import Tokenizer
+from jaxserve.checkpoint.tokenizer import Tokenizer
+from jaxserve.host.buckets import BucketTable
+from jaxserve.host.engine import Engine
+from jaxserve.host.page_allocator import PageAllocator
+from jaxserve.host.plan import StepPlan
+from jaxserve.host.results import RESULT_WIDTH, StepOutput
+from jaxserve.host.scheduler import Scheduler
 
 VOCAB = 100
 EOS = 0

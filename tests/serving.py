@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 import transformers
 
-from jaxserve.tokenizer import Tokenizer
+from jaxserve.checkpoint.tokenizer import Tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))

@@ -3,8 +3,8 @@
 import numpy as np
 import pytest
 
-from jaxserve.batch import pack_step
-from jaxserve.plan import Chunk
+from jaxserve.device.batch import pack_step
+from jaxserve.host.plan import Chunk
 
 PAGE_SIZE = 4
 

@@ -7,8 +7,8 @@ import sys
 from hf_models import save_random_model
 from serving import ROOT
 
-from jaxserve.buckets import BucketTable
-from jaxserve.tokenizer import Tokenizer
+from jaxserve.checkpoint.tokenizer import Tokenizer
+from jaxserve.host.buckets import BucketTable
 
 sys.path.insert(0, str(ROOT / "bench"))
 import buckets

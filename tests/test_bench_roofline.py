@@ -7,7 +7,7 @@ import sys
 from hf_models import save_random_model
 from serving import ROOT
 
-from jaxserve.tokenizer import Tokenizer
+from jaxserve.checkpoint.tokenizer import Tokenizer
 
 
 def test_tiny_roofline_calibrates_the_planner(tmp_path, smollm2_gguf):

@@ -33,7 +33,8 @@ def test_kernels_import_jax_and_numpy_only(path):
 
 @pytest.mark.parametrize("path", files("jaxserve/models"), ids=lambda p: p.name)
 def test_models_know_nothing_of_requests(path):
-    forbidden = ("jaxserve.scheduler", "jaxserve.engine", "jaxserve.request", "server")
+    forbidden = ("jaxserve.host.scheduler", "jaxserve.host.engine", "jaxserve.host.request",
+                 "server")
     assert not [m for m in imported_modules(path) if m.startswith(forbidden)]
 
 
@@ -42,15 +43,16 @@ def test_server_does_not_touch_jax(path):
     assert not [m for m in imported_modules(path) if m.split(".")[0] in ("jax", "flax")]
 
 
-ENGINE_INTERNALS = ("scheduler", "runner", "page_allocator", "step", "kv_cache", "engine")
+# what the server may not import: the device side, and the host side's working parts
+ENGINE_INTERNALS = ("jaxserve.device", "jaxserve.host.scheduler", "jaxserve.host.page_allocator",
+                    "jaxserve.host.engine")
 
 
 @pytest.mark.parametrize("path", files("server"), ids=lambda p: p.name)
 def test_server_sees_the_engine_only_through_its_client(path):
     """The server asks `jaxserve.serving.EngineClient`; it neither imports the engine's
     parts nor reaches them through an attribute."""
-    internals = tuple(f"jaxserve.{m}" for m in ENGINE_INTERNALS)
-    assert not [m for m in imported_modules(path) if m.startswith(internals)]
+    assert not [m for m in imported_modules(path) if m.startswith(ENGINE_INTERNALS)]
     reached = {
         node.attr for node in ast.walk(ast.parse(path.read_text()))
         if isinstance(node, ast.Attribute) and node.attr in ("llm", "scheduler", "runner")
@@ -58,10 +60,16 @@ def test_server_sees_the_engine_only_through_its_client(path):
     assert not reached
 
 
-HOST_MODULES = (
-    "request", "scheduler", "page_allocator", "plan", "results", "output_text", "stream",
-    "engine", "buckets", "planner", "serving",
-)
+@pytest.mark.parametrize("path", files("jaxserve/device"), ids=lambda p: p.name)
+def test_the_device_side_holds_no_request_records(path):
+    """The device side takes plain data (a StepPlan) and answers with plain data: it never
+    imports the request record, the scheduler or the engine."""
+    forbidden = ("jaxserve.host.request", "jaxserve.host.scheduler", "jaxserve.host.engine")
+    assert not [m for m in imported_modules(path) if m.startswith(forbidden)]
+
+
+HOST_MODULES = [f"host.{p.stem}" for p in files("jaxserve/host") if p.stem != "__init__"]
+HOST_MODULES += ["planner", "serving"]
 
 
 def test_the_host_side_imports_no_jax():

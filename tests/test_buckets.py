@@ -5,8 +5,8 @@ import sys
 
 import pytest
 
-from jaxserve.buckets import BucketTable
 from jaxserve.config import EngineConfig
+from jaxserve.host.buckets import BucketTable
 
 
 def test_parse_and_choose():

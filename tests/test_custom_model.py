@@ -20,11 +20,11 @@ import tokenizers
 from flax import nnx
 
 from jaxserve import LLM, SamplingParams
-from jaxserve.attention import AttentionMetadata, paged_attention
+from jaxserve.checkpoint.weights import WeightsError
 from jaxserve.config import ModelConfig
-from jaxserve.kv_cache import KVCache, write_kv
+from jaxserve.device.attention import AttentionMetadata, paged_attention
+from jaxserve.device.kv_cache import KVCache, write_kv
 from jaxserve.models import ModelSpec, WeightRule, register_model
-from jaxserve.weights import WeightsError
 
 VOCAB = 48
 HIDDEN = 32

@@ -4,7 +4,7 @@ import pytest
 from fake_engine import EOS, VOCAB, make_engine, next_token
 
 from jaxserve.config import SamplingParams
-from jaxserve.request import RequestRejected
+from jaxserve.host.request import RequestRejected
 
 
 def drain(stream) -> tuple[list[int], str, str]:

@@ -6,8 +6,8 @@ import pytest
 from hf_models import save_random_model
 
 from jaxserve import LLM, SamplingParams
-from jaxserve.runner import compile_count
-from jaxserve.tokenizer import Tokenizer
+from jaxserve.checkpoint.tokenizer import Tokenizer
+from jaxserve.device.runner import compile_count
 
 PROMPT = "Write a short poem about the sea and the sky."
 OTHERS = [

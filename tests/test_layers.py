@@ -8,13 +8,13 @@ import jax
 import numpy as np
 from flax import nnx
 
-from jaxserve.batch import pack_step
 from jaxserve.config import ModelConfig
-from jaxserve.kv_cache import init_kv_cache
+from jaxserve.device.batch import pack_step
+from jaxserve.device.kv_cache import init_kv_cache
+from jaxserve.device.step import forward
+from jaxserve.host.plan import Chunk
 from jaxserve.models.layers import Int8Weight, linear, quantize_int8
 from jaxserve.models.llama import LlamaForCausalLM
-from jaxserve.plan import Chunk
-from jaxserve.step import forward
 
 CONFIG = ModelConfig("llama", 256, 64, 128, 2, 4, 2, 16, max_position_embeddings=64)
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")

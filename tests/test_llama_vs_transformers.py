@@ -9,11 +9,11 @@ import torch
 from flax import nnx
 from hf_models import CONFIGS, save_random_model
 
-from jaxserve.batch import pack_step
-from jaxserve.kv_cache import init_kv_cache
-from jaxserve.plan import Chunk
-from jaxserve.step import forward
-from jaxserve.weights import load_model, open_checkpoint
+from jaxserve.checkpoint.weights import load_model, open_checkpoint
+from jaxserve.device.batch import pack_step
+from jaxserve.device.kv_cache import init_kv_cache
+from jaxserve.device.step import forward
+from jaxserve.host.plan import Chunk
 
 PAGE_SIZE = 4
 

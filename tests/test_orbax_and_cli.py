@@ -9,8 +9,8 @@ from flax import nnx
 from hf_models import save_random_model
 
 from jaxserve import LLM, SamplingParams
+from jaxserve.checkpoint.loader import load
 from jaxserve.cli import main
-from jaxserve.loader import load
 
 
 @pytest.mark.slow

@@ -2,9 +2,9 @@
 
 import pytest
 
+from jaxserve.checkpoint.tokenizer import Tokenizer
 from jaxserve.config import SamplingParams
-from jaxserve.output_text import OutputText
-from jaxserve.tokenizer import Tokenizer
+from jaxserve.host.output_text import OutputText
 
 EOS = 2
 

@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from jaxserve.page_allocator import NULL_PAGE, PageAllocationError, PageAllocator, page_keys
+from jaxserve.host.page_allocator import NULL_PAGE, PageAllocationError, PageAllocator, page_keys
 
 
 def check_states(alloc: PageAllocator, held: dict[str, list[int]]) -> None:

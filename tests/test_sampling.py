@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from jaxserve.config import MAX_LOGPROBS
-from jaxserve.sampling import (
+from jaxserve.device.sampling import (
     SamplingTensors,
     apply_penalties,
     argmax,
@@ -16,7 +16,7 @@ from jaxserve.sampling import (
     token_logprobs,
     top_k,
 )
-from jaxserve.sampling import (
+from jaxserve.device.sampling import (
     sample as sample_eager,
 )
 

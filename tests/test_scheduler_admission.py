@@ -2,11 +2,11 @@
 
 import time
 
-from jaxserve.buckets import BucketTable
 from jaxserve.config import SamplingParams
-from jaxserve.page_allocator import PageAllocator
-from jaxserve.request import Request
-from jaxserve.scheduler import ACTIVE_WINDOW_S, Scheduler
+from jaxserve.host.buckets import BucketTable
+from jaxserve.host.page_allocator import PageAllocator
+from jaxserve.host.request import Request
+from jaxserve.host.scheduler import ACTIVE_WINDOW_S, Scheduler
 
 PARAMS = SamplingParams(max_tokens=4)
 

@@ -16,7 +16,7 @@ import openai
 import pytest
 from serving import running_server
 
-from jaxserve.tokenizer import Tokenizer
+from jaxserve.checkpoint.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.slow  # starts servers or multi-device processes
 

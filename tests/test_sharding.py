@@ -55,7 +55,7 @@ SMOLLM2 = {
 def abstract_mesh(tp: int, dp: int):
     from jax.sharding import AbstractMesh
 
-    from jaxserve.sharding import DATA, MODEL
+    from jaxserve.device.sharding import DATA, MODEL
 
     return AbstractMesh((dp, tp), (DATA, MODEL))
 
@@ -65,8 +65,8 @@ def test_smollm2_shards_every_layer_weight_but_replicates_its_3_kv_heads(tp):
     from jax.sharding import PartitionSpec as P
 
     from jaxserve.config import ModelConfig
+    from jaxserve.device.sharding import DATA, MODEL, kv_sharding, param_sharding
     from jaxserve.models import param_axes
-    from jaxserve.sharding import DATA, MODEL, kv_sharding, param_sharding
 
     m = SMOLLM2
     mesh = abstract_mesh(tp, 8 // tp)
@@ -102,7 +102,7 @@ def test_smollm2_shards_every_layer_weight_but_replicates_its_3_kv_heads(tp):
 def test_a_dimension_that_does_not_divide_is_replicated():
     from jax.sharding import PartitionSpec as P
 
-    from jaxserve.sharding import DATA, MODEL, kv_sharding, param_sharding
+    from jaxserve.device.sharding import DATA, MODEL, kv_sharding, param_sharding
 
     mesh = abstract_mesh(3, 1)
     gate = ("layers", "embed", "mlp")
@@ -117,7 +117,7 @@ def test_a_dimension_that_does_not_divide_is_replicated():
 
 def test_mesh_and_config_refuse_bad_sizes():
     from jaxserve.config import EngineConfig
-    from jaxserve.sharding import make_mesh
+    from jaxserve.device.sharding import make_mesh
 
     with pytest.raises(ValueError, match="needs 16 devices"):
         make_mesh(tp=8, dp=2, devices=[object()] * 8)
@@ -429,7 +429,7 @@ def _layer_bytes(state) -> tuple[list[int], int]:
     """Bytes of the decoder layers' weights on each device, and in all."""
     import jax
 
-    from jaxserve.sharding import device_bytes
+    from jaxserve.device.sharding import device_bytes
 
     layers = state["layers"]
     held = device_bytes(layers)
@@ -447,12 +447,12 @@ def _logits_over_steps(model, mesh=None) -> tuple[np.ndarray, object]:
 
     from flax import nnx
 
-    from jaxserve.batch import pack_step
-    from jaxserve.kv_cache import init_kv_cache
+    from jaxserve.device.batch import pack_step
+    from jaxserve.device.kv_cache import init_kv_cache
+    from jaxserve.device.sharding import Layout
+    from jaxserve.device.step import forward, sharded_forward
+    from jaxserve.host.plan import Chunk
     from jaxserve.models import param_axes
-    from jaxserve.plan import Chunk
-    from jaxserve.sharding import Layout
-    from jaxserve.step import forward, sharded_forward
 
     rng = np.random.default_rng(1)
     prompts = [rng.integers(0, RANDOM["vocab_size"], n).tolist() for n in (1, 7, 13)]
@@ -487,7 +487,7 @@ def _logits_over_steps(model, mesh=None) -> tuple[np.ndarray, object]:
 def _engine_check(model_dir: Path, tp: int, dp: int) -> dict:
     """Greedy tokens of mixed requests on one device and, after warm-up, on a tp × dp mesh."""
     from jaxserve import LLM, SamplingParams
-    from jaxserve.runner import compile_count
+    from jaxserve.device.runner import compile_count
 
     rng = np.random.default_rng(2)
     requests = [rng.integers(3, 256, int(n)).tolist() for n in rng.integers(1, 40, 6)]
@@ -508,9 +508,9 @@ def _engine_check(model_dir: Path, tp: int, dp: int) -> dict:
 def _random_scenario(directory: Path) -> dict:
     from flax import nnx
 
-    from jaxserve import orbax_checkpoint
-    from jaxserve.loader import load
-    from jaxserve.sharding import make_mesh
+    from jaxserve.checkpoint import orbax_checkpoint
+    from jaxserve.checkpoint.loader import load
+    from jaxserve.device.sharding import make_mesh
 
     model_dir = directory / "model"
     start = time.perf_counter()
@@ -553,8 +553,8 @@ def _multihost_scenario(directory: Path, process_id: int, port: int) -> dict:
     jax.distributed.initialize(
         f"127.0.0.1:{port}", num_processes=2, process_id=process_id, initialization_timeout=60
     )
-    from jaxserve.loader import load
-    from jaxserve.sharding import make_mesh
+    from jaxserve.checkpoint.loader import load
+    from jaxserve.device.sharding import make_mesh
 
     model_dir = directory / "model"
     want, _ = _logits_over_steps(load(model_dir)[0])  # on this process's first device
@@ -573,9 +573,10 @@ def _multihost_scenario(directory: Path, process_id: int, port: int) -> dict:
 def _smollm2_scenario(directory: Path) -> dict:
     from flax import nnx
 
-    from jaxserve import LLM, SamplingParams, orbax_checkpoint
-    from jaxserve.default_model import default_model_path
-    from jaxserve.runner import compile_count
+    from jaxserve import LLM, SamplingParams
+    from jaxserve.checkpoint import orbax_checkpoint
+    from jaxserve.checkpoint.default_model import default_model_path
+    from jaxserve.device.runner import compile_count
 
     question = "What is the capital of France?"
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
@@ -627,11 +628,11 @@ def _pallas_scenario(directory: Path) -> dict:
     import jax
     import jax.numpy as jnp
 
-    import jaxserve.attention as attention
+    import jaxserve.device.attention as attention
     from jaxserve.config import SamplingParams
+    from jaxserve.device.sharding import make_mesh
     from jaxserve.llm import LLM
     from jaxserve.pallas_kernels.ragged_attention import ragged_paged_attention
-    from jaxserve.sharding import make_mesh
 
     heads_seen = []
 

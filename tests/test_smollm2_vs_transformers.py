@@ -45,9 +45,9 @@ def hf_greedy(model, ids: list[int], n: int) -> list[int]:
 
 
 def test_prompt_logits_match(llm, hf_model):
-    from jaxserve.batch import pack_step
-    from jaxserve.plan import Chunk
-    from jaxserve.step import forward
+    from jaxserve.device.batch import pack_step
+    from jaxserve.device.step import forward
+    from jaxserve.host.plan import Chunk
 
     runner = llm.runner
     ids = llm.tokenizer.encode(PROMPTS[2])

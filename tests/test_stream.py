@@ -3,7 +3,7 @@
 import asyncio
 import threading
 
-from jaxserve.stream import OutputStream, RequestOutput, notify
+from jaxserve.host.stream import OutputStream, RequestOutput, notify
 
 
 def test_a_step_wakes_all_its_asyncio_consumers_with_one_loop_call():

@@ -9,7 +9,7 @@ import pytest
 import regex
 import transformers
 
-from jaxserve.tokenizer import IncrementalDetokenizer, Tokenizer
+from jaxserve.checkpoint.tokenizer import IncrementalDetokenizer, Tokenizer
 
 ACCENTS = [
     "Café naïve résumé façade Ångström",

@@ -15,12 +15,12 @@ from flax import nnx
 from gguf import GGMLQuantizationType as QType
 from hf_models import save_random_model
 
-from jaxserve.batch import pack_step
+from jaxserve.checkpoint.weights import GGUF_TYPES, WeightsError, load_model, open_checkpoint
 from jaxserve.config import ModelConfig
-from jaxserve.kv_cache import init_kv_cache
-from jaxserve.plan import Chunk
-from jaxserve.step import forward
-from jaxserve.weights import GGUF_TYPES, WeightsError, load_model, open_checkpoint
+from jaxserve.device.batch import pack_step
+from jaxserve.device.kv_cache import init_kv_cache
+from jaxserve.device.step import forward
+from jaxserve.host.plan import Chunk
 
 PAGE_SIZE = 4
 

@@ -1,6 +1,6 @@
 """Model definitions; importing this package registers the built-in architectures."""
 
-from jaxserve.attention import AttentionMetadata
+from jaxserve.device.attention import AttentionMetadata
 from jaxserve.models import llama  # noqa: F401  (registers llama, mistral, qwen2)
 from jaxserve.models.interface import (
     ModelSpec,

@@ -20,10 +20,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxserve import model_config
-from jaxserve.attention import AttentionMetadata
+from jaxserve.checkpoint import model_config
 from jaxserve.config import ModelConfig
-from jaxserve.kv_cache import KVCache
+from jaxserve.device.attention import AttentionMetadata
+from jaxserve.device.kv_cache import KVCache
 
 
 class ServableModel(Protocol):

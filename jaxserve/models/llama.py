@@ -13,9 +13,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxserve.attention import AttentionMetadata, paged_attention
 from jaxserve.config import ModelConfig
-from jaxserve.kv_cache import KVCache, write_kv
+from jaxserve.device.attention import AttentionMetadata, paged_attention
+from jaxserve.device.kv_cache import KVCache, write_kv
 from jaxserve.models.interface import ModelSpec, WeightRule, register_model
 from jaxserve.models.layers import linear
 

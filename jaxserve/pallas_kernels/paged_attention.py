@@ -44,7 +44,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-NULL_PAGE = 0  # the reserved page (jaxserve.kv_cache.NULL_PAGE; kernels import only jax)
+NULL_PAGE = 0  # the reserved page (jaxserve.device.kv_cache.NULL_PAGE; kernels import only jax)
 # Finite, so a row that has seen no key keeps a finite max and exp(max - new_max) is defined.
 MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 MIN_TILE = 16  # Triton's dot needs every tile dimension >= 16

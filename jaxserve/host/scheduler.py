@@ -38,10 +38,10 @@ import time
 from collections import Counter, deque
 from dataclasses import dataclass, field
 
-from jaxserve.buckets import BucketTable
-from jaxserve.page_allocator import PageAllocator, page_keys
-from jaxserve.plan import Chunk, StepPlan
-from jaxserve.request import Request, RequestRejected
+from jaxserve.host.buckets import BucketTable
+from jaxserve.host.page_allocator import PageAllocator, page_keys
+from jaxserve.host.plan import Chunk, StepPlan
+from jaxserve.host.request import Request, RequestRejected
 
 ACTIVE_WINDOW_S = 30.0  # a tenant that sent a request this recently shares the batch
 

@@ -44,7 +44,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-from jaxserve.kv_cache import KVCache
+from jaxserve.device.kv_cache import KVCache
 
 DATA, MODEL = "data", "model"
 

@@ -15,11 +15,11 @@ import jax
 from jax.sharding import PartitionSpec
 
 from jaxserve.config import ATTENTION_BACKENDS
-from jaxserve.kv_cache import KVCache
+from jaxserve.device.kv_cache import KVCache
+from jaxserve.device.sharding import MODEL
 from jaxserve.pallas_kernels.blocked_jnp import blocked_paged_attention
 from jaxserve.pallas_kernels.ragged_attention import ragged_paged_attention
 from jaxserve.pallas_kernels.reference import ragged_paged_attention_reference
-from jaxserve.sharding import MODEL
 
 
 def select_backend(requested: str | None = None) -> str:

@@ -25,18 +25,18 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxserve.attention import select_backend
-from jaxserve.batch import pack_step
-from jaxserve.buckets import BucketTable
-from jaxserve.kv_cache import init_kv_cache
+from jaxserve.device.attention import select_backend
+from jaxserve.device.batch import pack_step
+from jaxserve.device.kv_cache import init_kv_cache
+from jaxserve.device.multihost import SCORE, STEP, StepChannel, is_leader
+from jaxserve.device.sampling import init_penalty_state
+from jaxserve.device.sharding import DATA, Layout
+from jaxserve.device.step import StepInputs, jit_score, jit_step
+from jaxserve.host.buckets import BucketTable
+from jaxserve.host.page_allocator import NULL_PAGE
+from jaxserve.host.plan import Chunk, StepPlan
+from jaxserve.host.results import StepOutput
 from jaxserve.models import param_axes
-from jaxserve.multihost import SCORE, STEP, StepChannel, is_leader
-from jaxserve.page_allocator import NULL_PAGE
-from jaxserve.plan import Chunk, StepPlan
-from jaxserve.results import StepOutput
-from jaxserve.sampling import init_penalty_state
-from jaxserve.sharding import DATA, Layout
-from jaxserve.step import StepInputs, jit_score, jit_step
 
 log = logging.getLogger(__name__)
 

@@ -21,10 +21,10 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec
 
-from jaxserve.attention import AttentionMetadata
 from jaxserve.config import MAX_LOGPROBS
-from jaxserve.kv_cache import KVCache
-from jaxserve.sampling import (
+from jaxserve.device.attention import AttentionMetadata
+from jaxserve.device.kv_cache import KVCache
+from jaxserve.device.sampling import (
     PenaltyState,
     SamplingTensors,
     any_penalty,
@@ -34,7 +34,7 @@ from jaxserve.sampling import (
     sample,
     token_logprobs,
 )
-from jaxserve.sharding import DATA, Layout
+from jaxserve.device.sharding import DATA, Layout
 
 
 @jax.tree_util.register_dataclass

@@ -18,10 +18,10 @@ import orbax.checkpoint as ocp
 from flax import nnx
 from jax.sharding import Mesh
 
+from jaxserve.checkpoint.tokenizer import Tokenizer
 from jaxserve.config import ModelConfig, RopeScaling
+from jaxserve.device.sharding import map_params, param_sharding
 from jaxserve.models import get_model_spec, param_axes
-from jaxserve.sharding import map_params, param_sharding
-from jaxserve.tokenizer import Tokenizer
 
 CONFIG_FILE = "jaxserve_config.json"
 

@@ -7,9 +7,9 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh
 
-from jaxserve import orbax_checkpoint
-from jaxserve.tokenizer import Tokenizer
-from jaxserve.weights import WeightsError, load_model, open_checkpoint
+from jaxserve.checkpoint import orbax_checkpoint
+from jaxserve.checkpoint.tokenizer import Tokenizer
+from jaxserve.checkpoint.weights import WeightsError, load_model, open_checkpoint
 
 
 def load(

@@ -4,7 +4,7 @@ Both formats are read as Hugging Face tensor names ([out, in] layout), so one
 weight map per architecture serves both; what is particular to an architecture (its
 config parser, its GGUF tensor names, whether llama.cpp permuted its Q/K rows) comes
 from its `ModelSpec`. GGUF tensors are dequantized with the `gguf` package. Every
-failure is a `WeightsError` (`jaxserve.model_config`) that names the file and the
+failure is a `WeightsError` (`jaxserve.checkpoint.model_config`) that names the file and the
 tensor or key at fault.
 """
 
@@ -19,10 +19,10 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
+from jaxserve.checkpoint.model_config import WeightsError, gguf_architecture, hf_architecture
 from jaxserve.config import ModelConfig
-from jaxserve.model_config import WeightsError, gguf_architecture, hf_architecture
+from jaxserve.device.sharding import param_sharding
 from jaxserve.models import ModelSpec, WeightRule, get_model_spec, param_axes
-from jaxserve.sharding import param_sharding
 
 # GGUF quantization types dequantized here (the ones real Llama-family files use).
 GGUF_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K")

