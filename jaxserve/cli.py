@@ -66,6 +66,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     serve.add_argument("--default-max-tokens", type=int, default=256, help="chat default")
     serve.add_argument(
+        "--step-timeout-s", type=float,
+        help="a step running longer fails the engine, every live request ends with an error "
+        "and the process exits 1 (default: 10x the slowest warm-up step, at least 30)",
+    )
+    serve.add_argument(
         "--shared-prefix-cache",
         action="store_true",
         help="one prefix cache for all tenants (default with API keys: one per tenant)",
@@ -220,6 +225,7 @@ def _serve(args: argparse.Namespace) -> int:
             max_body_bytes=args.max_body_bytes,
             drain_timeout_s=args.drain_timeout,
             stream_write_timeout_s=args.stream_write_timeout,
+            step_timeout_s=args.step_timeout_s,
             default_chat_max_tokens=args.default_max_tokens,
             shared_prefix_cache=args.shared_prefix_cache,
             engine=_engine_config(args),

@@ -16,10 +16,12 @@ from typing import TYPE_CHECKING
 
 from jaxserve.checkpoint.tokenizer import Tokenizer
 from jaxserve.config import SamplingParams
-from jaxserve.host.engine import LiveRequest
+from jaxserve.host.engine import EngineFailed, LiveRequest
 from jaxserve.host.plan import StepPlan
 from jaxserve.host.results import StepTime
 from jaxserve.host.stream import OutputStream
+
+__all__ = ["EngineClient", "EngineFailed", "EngineStats", "QueueStats"]
 
 if TYPE_CHECKING:  # the server imports this module before jax has loaded
     from jaxserve.llm import LLM
@@ -90,7 +92,7 @@ class EngineClient:
         """RequestRejected if such a request could never run; queues nothing."""
         self._engine.check(prompt_ids, params)
 
-    def submit(
+    def submit(  # EngineFailed once the engine has failed
         self,
         prompt_ids: Sequence[int],
         params: SamplingParams,
@@ -158,9 +160,23 @@ class EngineClient:
 
     # ---------------------------------------------------------------- thread
 
-    def start(self, on_step: Callable[[StepPlan, StepTime], None] | None = None) -> None:
+    @property
+    def failure(self) -> str | None:
+        """Why the engine stopped for good (a step raised or hung); None while it runs."""
+        return self._engine.failure
+
+    def start(
+        self,
+        on_step: Callable[[StepPlan, StepTime], None] | None = None,
+        step_timeout_s: float | None = None,
+    ) -> float:
+        """Run the engine; a step running past `step_timeout_s` (default: 10 times the
+        slowest warm-up step, at least 30 s) fails it. Returns the limit."""
+        if step_timeout_s is None:
+            step_timeout_s = max(30.0, 10 * max(self._runner.step_times.values(), default=0))
         self._engine.on_step = on_step
-        self._engine.start()
+        self._engine.start(step_timeout_s)
+        return step_timeout_s
 
     def stop(self) -> None:
         self._engine.stop()

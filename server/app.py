@@ -10,6 +10,7 @@ import asyncio
 import dataclasses
 import gc
 import logging
+import os
 import signal
 import time
 import uuid
@@ -19,7 +20,7 @@ from aiohttp import web
 
 from jaxserve.config import EngineConfig, SamplingParams
 from jaxserve.host.request import RequestRejected
-from jaxserve.serving import EngineClient
+from jaxserve.serving import EngineClient, EngineFailed
 from server import openai_format as fmt
 from server import prompts
 from server.admission import QueuePolicy
@@ -45,6 +46,8 @@ class ServerConfig:
     drain_timeout_s: float = 30.0
     # a stream write blocked this long means the client stopped reading: drop it
     stream_write_timeout_s: float = 30.0
+    # a step running longer fails the engine (None: 10x the slowest warm-up step, >= 30 s)
+    step_timeout_s: float | None = None
     default_chat_max_tokens: int = 256  # OpenAI's completions default (16) is kept as is
     shared_prefix_cache: bool = False  # with API keys, each tenant has its own prefix cache
     engine: EngineConfig = field(default_factory=EngineConfig)
@@ -92,7 +95,9 @@ class Server:
         # server: frozen, the collector never scans them again. Unfrozen, each full
         # collection held the GIL ~200 ms, a pause in every stream.
         gc.freeze()
-        client.start(on_step=lambda plan, time: self.metrics.observe_step(time))
+        limit = client.start(lambda plan, time: self.metrics.observe_step(time),
+                             self.config.step_timeout_s)
+        log.info("a step running over %.0f s fails the engine (--step-timeout-s)", limit)
         self.client = client
         self.ready = True
         log.info("ready: %s, %d buckets compiled", self.model_name, client.num_buckets)
@@ -122,6 +127,9 @@ class Server:
     # ---------------------------------------------------------------- checks
 
     def _check_ready(self) -> None:
+        if self.client is not None and self.client.failure is not None:
+            raise APIError(503, f"the engine has failed: {self.client.failure}",
+                           code="engine_failed")
         if self.draining:
             raise APIError(503, "server is shutting down", code="draining")
         if not self.ready:
@@ -216,6 +224,8 @@ class Server:
         except RequestRejected as e:
             self.metrics.requests_rejected.labels("too_long").inc()
             raise prompts.rejected(e, isinstance(req, ChatCompletionRequest)) from None
+        except EngineFailed as e:
+            raise APIError(503, f"the engine has failed: {e}", code="engine_failed") from None
         finally:
             for c in choices:
                 if c.finish_reason is None:
@@ -231,8 +241,9 @@ class Server:
         return json_response({"object": "list", "data": [card]})
 
     async def health(self, request: web.Request) -> web.Response:
-        if self.load_error:
-            return json_response({"status": "failed", "error": self.load_error}, status=503)
+        failure = self.load_error or (self.client and self.client.failure)
+        if failure:
+            return json_response({"status": "failed", "error": failure}, status=503)
         if self.draining:
             return json_response({"status": "draining"}, status=503)
         if not self.ready:
@@ -281,8 +292,12 @@ def build_app(server: Server) -> web.Application:
     return app
 
 
-async def serve(config: ServerConfig) -> None:
-    """Open the port, load the model in the background, serve until SIGTERM/SIGINT, drain."""
+FAILED_GRACE_S = 2.0  # seconds a failed engine's server stays up, answering 503
+
+
+async def serve(config: ServerConfig) -> int:
+    """Open the port, load the model in the background, serve until SIGTERM/SIGINT or an
+    engine failure, drain. Returns the exit status: 1 when the engine failed."""
     server = Server(config)
     runner = web.AppRunner(build_app(server), handler_cancellation=True, access_log=None)
     await runner.setup()
@@ -293,14 +308,35 @@ async def serve(config: ServerConfig) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     loader = loop.run_in_executor(None, server.load)
+    watcher = asyncio.create_task(_watch_engine(server, stop))
     await stop.wait()
+    failed = watcher.done()
+    watcher.cancel()
+    if failed:  # /health says "failed" for a moment, for probes and the clients' last events
+        await asyncio.sleep(FAILED_GRACE_S)
     log.info("draining: refusing new requests, finishing live ones")
     await server.drain()
     await runner.cleanup()
+    if not loader.done():  # stopped during warm-up: the compiling thread cannot be joined
+        log.info("stopped during warm-up")
+        logging.shutdown()
+        os._exit(0)
     await loader
     server.stop()
+    return 1 if failed else 0
+
+
+async def _watch_engine(server: Server, stop: asyncio.Event) -> None:
+    """Stop the server once its engine has failed, so a supervisor restarts the process
+    instead of a live port hiding a dead engine."""
+    while server.client is None or server.client.failure is None:
+        await asyncio.sleep(0.2)
+    log.critical("the engine has failed (%s): exiting", server.client.failure)
+    stop.set()
 
 
 def run(config: ServerConfig) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
-    asyncio.run(serve(config))
+    status = asyncio.run(serve(config))
+    if status:
+        raise SystemExit(status)

@@ -7,6 +7,7 @@ from jaxserve.config import SamplingParams
 from jaxserve.host.request import RequestRejected
 from jaxserve.serving import EngineClient
 from server.protocol import (
+    MAX_COMPLETION_LOGPROBS,
     ROLES,
     APIError,
     ChatCompletionRequest,
@@ -36,7 +37,8 @@ def completion(
     # echo with logprobs scores the prompt too (lm-evaluation-harness's loglikelihood)
     scores = req.logprobs if req.echo else None
     params = sampling_params(
-        req, req.max_tokens, req.logprobs, default_max_tokens=16, prompt_logprobs=scores
+        req, req.max_tokens, req.logprobs, default_max_tokens=16, prompt_logprobs=scores,
+        max_logprobs=MAX_COMPLETION_LOGPROBS,
     )
     _check_length(client, ids, params, chat=False)
     return ids, params

@@ -12,6 +12,10 @@ from jaxserve.config import MAX_LOGPROBS, SamplingParams
 
 MAX_N = 16  # choices per request
 MAX_STOP = 4  # stop strings per request, as OpenAI allows
+# OpenAI's documented ranges, where vLLM is looser (the offline API keeps vLLM's)
+MAX_TEMPERATURE = 2.0
+MAX_COMPLETION_LOGPROBS = 5  # legacy completions; chat's top_logprobs go to MAX_LOGPROBS
+MAX_LOGIT_BIAS = 100.0
 ROLES = ("system", "user", "assistant", "tool", "developer")
 
 
@@ -89,6 +93,7 @@ class _Common(msgspec.Struct):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    logit_bias: dict[str, float] | None = None
 
 
 class CompletionRequest(_Common):
@@ -96,7 +101,7 @@ class CompletionRequest(_Common):
     # in a union, so the element kinds are checked when the prompt is encoded)
     prompt: str | list[str | int | list[int]] | None = None
     echo: bool = False
-    logprobs: int | None = None  # top alternatives per token (0-5 in OpenAI; up to 20 here)
+    logprobs: int | None = None  # top alternatives per token: 0-5, as in OpenAI
 
 
 class ChatCompletionRequest(_Common):
@@ -113,6 +118,8 @@ def decode(body: bytes, kind: type[msgspec.Struct]) -> msgspec.Struct:
     except msgspec.ValidationError as e:
         text = str(e)
         param = text.split("$.", 1)[1].rstrip("`") if "$." in text else None
+        if param is not None:
+            param = param.replace("[...]", "")  # a mapping's value: name the mapping
         raise APIError(400, f"invalid request: {text}", param=param) from None
     except (msgspec.DecodeError, UnicodeDecodeError) as e:
         raise APIError(400, f"request body is not valid JSON: {e}") from None
@@ -123,12 +130,29 @@ def _check_number(name: str, value: float | None) -> None:
         raise APIError(400, f"{name} must be a finite number", param=name)
 
 
+def _check_logit_bias(bias: dict[str, float] | None) -> None:
+    """OpenAI's logit_bias: token ids (as strings) to values in [-100, 100]. Checked, then
+    refused while the sampler cannot apply it: ignoring it would answer as if it had."""
+    if not bias:
+        return
+    for key, value in bias.items():
+        if not key.isdigit():
+            raise APIError(400, f"logit_bias keys must be token ids, got {key!r}",
+                           param="logit_bias")
+        if not (math.isfinite(value) and -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS):
+            raise APIError(400, f"logit_bias values must be in [-100, 100], got {value}",
+                           param="logit_bias")
+    raise APIError(400, "logit_bias is not supported by this server yet", param="logit_bias",
+                   code="unsupported_parameter")
+
+
 def sampling_params(
     req: _Common,
     max_tokens: int | None,
     logprobs: int | None,
     default_max_tokens: int,
     prompt_logprobs: int | None = None,
+    max_logprobs: int = MAX_LOGPROBS,
 ) -> SamplingParams:
     """SamplingParams from a request's fields, or a 400 naming the bad one."""
     for name in (
@@ -147,8 +171,12 @@ def sampling_params(
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     if len(stop) > MAX_STOP:
         raise APIError(400, f"at most {MAX_STOP} stop sequences, got {len(stop)}", param="stop")
-    if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
-        raise APIError(400, f"logprobs must be between 0 and {MAX_LOGPROBS}", param="logprobs")
+    if logprobs is not None and not 0 <= logprobs <= max_logprobs:
+        raise APIError(400, f"logprobs must be between 0 and {max_logprobs}", param="logprobs")
+    if req.temperature is not None and req.temperature > MAX_TEMPERATURE:
+        raise APIError(400, f"temperature must be at most {MAX_TEMPERATURE:g}, got "
+                       f"{req.temperature}", param="temperature")
+    _check_logit_bias(req.logit_bias)
     fields = {
         "max_tokens": max_tokens if max_tokens is not None else default_max_tokens,
         "temperature": 1.0 if req.temperature is None else req.temperature,

@@ -157,7 +157,11 @@ class Responder:
                 choice, out = await sink.get()
                 done += out.finished
                 if out.finish_reason == "error":
-                    raise APIError(500, "the engine failed while generating this request")
+                    # the status line has gone: the failure is the stream's last event
+                    failed = APIError(500, "the engine failed while generating this request")
+                    await send(failed.body)
+                    await send(None)
+                    return resp
                 item = form.delta(choice.index, choice.prompt_ids, out)
                 if out.text or out.finished or item["logprobs"]:
                     await send(chunk([item]))

@@ -1,9 +1,13 @@
 """The engine loop, step by step, on a fake model (exact, no jax)."""
 
+import threading
+import time
+
 import pytest
 from fake_engine import EOS, VOCAB, make_engine, next_token
 
 from jaxserve.config import SamplingParams
+from jaxserve.host.engine import EngineFailed
 from jaxserve.host.request import RequestRejected
 
 
@@ -247,3 +251,49 @@ def test_a_stop_among_accepted_drafts_drops_the_tokens_after_it():
     # max_tokens cuts the accepted tokens too, and drafts stop at the reserved pages
     (result,), _ = generate([[5]], SamplingParams(max_tokens=4, ignore_eos=True), Drafts(3))
     assert result[0] == [6, 7, 8, 9] and result[2] == "length"
+
+
+def _drain(stream) -> list:
+    items = []
+    while len(stream):
+        items.append(stream.get(timeout=0))
+    return items
+
+
+def test_a_failing_step_fails_the_engine_and_every_request_once():
+    engine, runner = make_engine()
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    streams = [engine.submit([5, 6, 7], params) for _ in range(3)]
+    engine.step()
+
+    def broken(plan):
+        raise RuntimeError("device lost")
+
+    runner.execute = broken
+    engine.start(step_timeout_s=30)
+    deadline = time.monotonic() + 5
+    while engine.failure is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    engine.stop()
+    assert "device lost" in engine.failure
+    for stream in streams:
+        assert _drain(stream)[-1].finish_reason == "error"
+    assert engine.scheduler.num_pages_free == engine.scheduler.num_pages_usable
+    with pytest.raises(EngineFailed):
+        engine.submit([5], params)
+
+
+def test_the_watchdog_fails_a_step_that_hangs():
+    engine, runner = make_engine()
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    stream = engine.submit([5, 6, 7], params)
+    hang = threading.Event()
+    runner.execute = lambda plan: hang.wait() or None
+    engine.start(step_timeout_s=0.2)
+    deadline = time.monotonic() + 5
+    while engine.failure is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert engine.failure is not None and "hung" in engine.failure
+    assert _drain(stream)[-1].finish_reason == "error"
+    hang.set()
+    engine.stop()

@@ -70,6 +70,19 @@ CATALOG = [
     ("n-zero", "POST", C, body(prompt="hi", n=0), 400, "n", None),
     ("n-1000", "POST", C, body(prompt="hi", n=1000), 400, "n", None),
     ("logprobs-50", "POST", C, body(prompt="hi", logprobs=50), 400, "logprobs", None),
+    ("logprobs-6", "POST", C, body(prompt="hi", logprobs=6), 400, "logprobs", None),
+    ("temperature-2.5", "POST", C, body(prompt="hi", temperature=2.5), 400, "temperature",
+     None),
+    ("chat-temperature-1e30", "POST", CHAT, body(messages=USER, temperature=1e30), 400,
+     "temperature", None),
+    ("logit-bias-101", "POST", C, body(prompt="hi", logit_bias={"1": 101}), 400, "logit_bias",
+     None),
+    ("logit-bias-word-key", "POST", C, body(prompt="hi", logit_bias={"hi": 1}), 400,
+     "logit_bias", None),
+    ("logit-bias-string-value", "POST", C, body(prompt="hi", logit_bias={"1": "x"}), 400,
+     "logit_bias", None),
+    ("logit-bias-unsupported", "POST", CHAT, body(messages=USER, logit_bias={"1": 5}), 400,
+     "logit_bias", "unsupported_parameter"),
     ("logprobs-negative", "POST", C, body(prompt="hi", logprobs=-1), 400, "logprobs", None),
     ("chat-top-logprobs-50", "POST", CHAT, body(messages=USER, logprobs=True, top_logprobs=50),
      400, "logprobs", None),
@@ -235,11 +248,11 @@ def test_bad_input(server, bystander, method, path, data, status, param, code):
         {"seed": 2**32 - 1, "n": 2},
         {"top_k": 2**40},
         {"temperature": 1e-30, "logprobs": 1},
-        {"temperature": 1e30},
+        {"temperature": 2, "top_p": 1e-30},
         {"stop": ["", "\u0000"], "stop_token_ids": [10**12]},
     ],
     ids=["seed-negative", "seed-2^64", "seed-wraps-with-n", "top-k-huge", "temperature-tiny",
-         "temperature-huge", "odd-stops"],
+         "temperature-max-top-p-tiny", "odd-stops"],
 )
 def test_odd_but_valid_values_are_served(server, bystander, fields):
     """Values the device tensors cannot hold as sent must not fail the step (and every
@@ -272,7 +285,7 @@ def test_after_the_catalog(server, bystander):
 
     # unknown fields are ignored, as OpenAI does
     status, _, raw = request(server + C, "POST", body(
-        prompt="hi", max_tokens=2, logit_bias={"1": 5}, suffix="x", best_of=1,
+        prompt="hi", max_tokens=2, logit_bias={}, suffix="x", best_of=1,
         some_future_field={"nested": [1, 2]}, model=MODEL,
     ))
     assert status == 200, raw

@@ -25,6 +25,7 @@ from typing import Protocol
 
 from jaxserve.checkpoint.tokenizer import Tokenizer
 from jaxserve.config import SamplingParams
+from jaxserve.host import faults
 from jaxserve.host.output_text import OutputText
 from jaxserve.host.plan import StepPlan
 from jaxserve.host.request import Request
@@ -35,6 +36,10 @@ from jaxserve.host.stream import OutputStream, RequestOutput, notify
 log = logging.getLogger(__name__)
 
 RATE_WINDOW_S = 30.0  # window of the measured admission rate (Little's law, Retry-After)
+
+
+class EngineFailed(RuntimeError):
+    """The engine's loop has stopped for good (a step raised, or hung past its limit)."""
 
 
 class Runner(Protocol):
@@ -92,6 +97,9 @@ class Engine:
         self._seed_rng = random.Random()
         self._ids = 0
         self._admissions: deque[float] = deque()  # admission times within RATE_WINDOW_S
+        self.failure: str | None = None  # why the loop stopped for good
+        self._steps = 0  # steps run
+        self._step_started: float | None = None  # monotonic start of the step under way
 
     # ---------------------------------------------------------------- client side
 
@@ -106,7 +114,8 @@ class Engine:
         cache_salt: str = "",
         lazy: bool = False,
     ) -> OutputStream:
-        """Queue a request (checked at once: RequestRejected if it can never run).
+        """Queue a request (checked at once: RequestRejected if it can never run;
+        EngineFailed once the engine has failed).
 
         Pass the asyncio `loop` of a consumer that reads the stream with `async for`,
         and `lazy` if it wants the whole answer rather than each token (see stream.py).
@@ -130,6 +139,8 @@ class Engine:
         request.stream = OutputStream(request_id, self.stream_capacity, loop, lazy)
         request.output = OutputText(prompt_ids, params, self.tokenizer, self.eos_token_ids)
         with self._lock:
+            if self.failure is not None:
+                raise EngineFailed(self.failure)
             self.requests[request_id] = request
             self._inbox.append(request)
         self._wake.set()
@@ -162,7 +173,11 @@ class Engine:
             self._admissions.append(now)
         if not plan.chunks:
             return plan
+        self._steps += 1
+        self._step_started = time.monotonic()
+        faults.before_step(self._steps)
         output = self.runner.execute(plan)
+        self._step_started = None
         self._postprocess(plan, output)
         if self.debug_checks:
             self.scheduler.check_invariants()
@@ -175,20 +190,43 @@ class Engine:
     def _postprocess(self, plan: StepPlan, output: StepOutput) -> None:
         """Each row once: append its accepted tokens, advance, emit, free if finished."""
         for request_id, scores in output.prompt_logprobs.items():
-            self._gather_prompt_logprobs(self.requests[request_id], scores)
+            request = self.requests[request_id]
+            try:
+                self._gather_prompt_logprobs(request, scores)
+            except Exception:
+                log.exception("request %s failed: ending it alone", request.request_id)
+                self._isolate(request)
         streams = []
         for row, chunk in enumerate(plan.chunks):
-            request = self.requests[chunk.request_id]
-            accepted = output.accepted(row)
-            appended = self._emit(request, output, row, accepted) if accepted else 0
-            self.scheduler.advance(request, chunk, appended)
+            request = self.requests.get(chunk.request_id)
+            if request is None:  # failed above
+                continue
+            try:
+                faults.before_emit(request.request_id)
+                accepted = output.accepted(row)
+                appended = self._emit(request, output, row, accepted) if accepted else 0
+                self.scheduler.advance(request, chunk, appended)
+                if request.finished:
+                    self._free(request)
+                elif self.proposer is not None and not request.in_prefill:
+                    request.spec_token_ids = self.proposer.propose(request)
+            except Exception:
+                log.exception("request %s failed: ending it alone", request.request_id)
+                self._isolate(request)
+                continue
             if accepted:
                 streams.append(request.stream)
-            if request.finished:
-                self._free(request)
-            elif self.proposer is not None and not request.in_prefill:
-                request.spec_token_ids = self.proposer.propose(request)
         notify(streams)
+
+    def _isolate(self, request: Request) -> None:
+        """A fault while handling one request (detokenizing, stop checks, its stream) ends
+        that request alone with an error; the step and every other request go on."""
+        if request.finished:
+            self._free(request)
+            return
+        request.finish_reason = "error"
+        self._free(request)
+        self._tell(request)
 
     def _take_inbox(self) -> None:
         with self._lock:
@@ -322,15 +360,21 @@ class Engine:
 
     # ---------------------------------------------------------------- thread
 
-    def start(self) -> None:
+    def start(self, step_timeout_s: float | None = None) -> None:
+        """Run the loop on its own thread; with `step_timeout_s`, a watchdog fails the
+        engine when one step runs longer (a hung device is never hidden)."""
         self._thread = threading.Thread(target=self._run, name="jaxserve-engine", daemon=True)
         self._thread.start()
+        if step_timeout_s is not None:
+            threading.Thread(target=self._watch, args=(step_timeout_s,),
+                             name="jaxserve-watchdog", daemon=True).start()
 
-    def stop(self) -> None:
+    def stop(self, timeout_s: float = 2.0) -> None:
+        """Stop the loop; a loop stuck in a hung step is left behind (a daemon thread)."""
         self._stopping = True
         self._wake.set()
         if self._thread is not None:
-            self._thread.join()
+            self._thread.join(timeout_s)
 
     def _run(self) -> None:
         while not self._stopping:
@@ -340,7 +384,24 @@ class Engine:
                 continue
             try:
                 self.step()
-            except Exception:
+            except Exception as e:
                 log.exception("engine step failed: failing every live request")
-                for request_id in list(self.requests):
-                    self._stop(request_id, "error")
+                self._fail(f"engine step failed: {e!r}")
+                return
+
+    def _watch(self, timeout_s: float) -> None:
+        while not self._stopping and self.failure is None:
+            started = self._step_started
+            if started is not None and time.monotonic() - started > timeout_s:
+                log.critical("engine step running for over %.0f s: failing", timeout_s)
+                self._fail(f"engine step hung for over {timeout_s:g} s")
+                return
+            time.sleep(min(0.25, timeout_s / 4))
+
+    def _fail(self, reason: str) -> None:
+        """Stop for good: refuse new requests and end every live one with an error."""
+        with self._lock:
+            self.failure = self.failure or reason  # the first cause is the one to tell
+            self._stopping = True
+        for request_id in list(self.requests):
+            self._stop(request_id, "error")
