@@ -337,6 +337,12 @@ def main() -> None:
             tuple(sorted(int(v) for v in args.token_sizes.split(","))),
             tuple(sorted(int(v) for v in args.seq_sizes.split(","))),
         )
+        try:  # checked before minutes of measuring, not after (the replay needs it)
+            tables["custom"].covers(args.max_batch, args.token_budget)
+        except ValueError as e:
+            custom = tables["custom"]
+            parser.error(f"{e}: pass --token-budget {custom.max_tokens} and --max-batch "
+                         f"{custom.max_rows} (or at most those) with this table")
     if args.table not in tables:
         parser.error(f"--table must be one of {sorted(tables)}")
     table = tables[args.table]

@@ -68,3 +68,13 @@ def test_tiny_bucket_sweep_reports_every_field(tmp_path, smollm2_gguf):
     best = min(data["tables"], key=lambda t: (t["token_waste"], t["num_buckets"]))
     assert data["recommended"] == best["name"]
     assert [p.rsplit("_", 1)[-1] for p in data["plots"]] == ["time.png", "waste.png"]
+
+
+def test_a_custom_table_too_small_for_the_budget_is_refused_before_measuring():
+    run = subprocess.run(
+        [sys.executable, "bench/buckets.py", "--token-sizes", "1,16,128", "--seq-sizes", "1,16"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )
+    assert run.returncode == 2, run.stderr
+    assert "pass --token-budget 128 and --max-batch 16" in run.stderr
+    assert "bucket" not in run.stdout  # nothing was measured
