@@ -64,7 +64,7 @@ import math
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from jaxserve.checkpoint.model_config import config_from_hf
+from jaxserve.checkpoint.model_config import config_from_hf, read_hf_config
 
 GB = 1e9
 DTYPE_BYTES = {"bf16": 2.0, "fp8": 1.0, "int8": 1.0, "int4": 0.5}
@@ -116,11 +116,7 @@ def model_shape(spec: str) -> ModelShape:
         path = path / "config.json"
     if not path.is_file():
         raise ValueError(f"model must be one of {sorted(MODELS)} or a config.json, got {spec!r}")
-    try:
-        raw = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path}: invalid JSON ({e})") from None
-    c = config_from_hf(raw, str(path))
+    c = config_from_hf(read_hf_config(path), str(path))
     return ModelShape(
         str(path), c.num_layers, c.hidden_size, c.intermediate_size, c.num_heads,
         c.num_kv_heads, c.head_dim, c.vocab_size, c.tie_word_embeddings, c.attention_bias,

@@ -6,7 +6,9 @@ with the same config.json vocabulary); an architecture registers its own in its
 Every failure is a `WeightsError` naming the file and the key at fault.
 """
 
+import json
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 from jaxserve.config import ModelConfig, RopeScaling
@@ -14,6 +16,17 @@ from jaxserve.config import ModelConfig, RopeScaling
 
 class WeightsError(ValueError):
     """A checkpoint that cannot be loaded; the message names the file and the culprit."""
+
+
+def read_hf_config(path: Path) -> dict:
+    """A config.json file's object (WeightsError if it is not JSON or not an object)."""
+    try:
+        raw = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise WeightsError(f"{path}: invalid JSON ({e})") from None
+    if not isinstance(raw, dict):
+        raise WeightsError(f"{path}: expected a JSON object, got {type(raw).__name__}")
+    return raw
 
 
 def hf_architecture(raw: Mapping[str, Any], source: str) -> str:

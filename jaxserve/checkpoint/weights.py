@@ -8,7 +8,6 @@ failure is a `WeightsError` (`jaxserve.checkpoint.model_config`) that names the 
 tensor or key at fault.
 """
 
-import json
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,7 +18,12 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from jaxserve.checkpoint.model_config import WeightsError, gguf_architecture, hf_architecture
+from jaxserve.checkpoint.model_config import (
+    WeightsError,
+    gguf_architecture,
+    hf_architecture,
+    read_hf_config,
+)
 from jaxserve.config import ModelConfig
 from jaxserve.device.sharding import param_sharding
 from jaxserve.models import ModelSpec, WeightRule, get_model_spec, param_axes
@@ -50,12 +54,7 @@ def open_hf_dir(path: Path) -> Checkpoint:
     config_file = path / "config.json"
     if not config_file.exists():
         raise WeightsError(f"{path}: no config.json (not a Hugging Face model directory)")
-    try:
-        raw = json.loads(config_file.read_text())
-    except json.JSONDecodeError as e:
-        raise WeightsError(f"{config_file}: invalid JSON ({e})") from None
-    if not isinstance(raw, dict):
-        raise WeightsError(f"{config_file}: expected a JSON object, got {type(raw).__name__}")
+    raw = read_hf_config(config_file)
     spec = get_model_spec_or_raise(hf_architecture(raw, str(config_file)), str(config_file))
     config = spec.config_from_hf(raw, str(config_file))
     files = sorted(path.glob("*.safetensors"))
