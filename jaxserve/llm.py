@@ -49,8 +49,8 @@ class LLM:
     ):
         """`overrides` are EngineConfig fields (e.g. `max_batch=8, num_pages=256`).
 
-        `warmup` compiles every bucket now (as a server must, before serving), telling
-        `warmup_progress` of each (default: a log line each)."""
+        `warmup` compiles every bucket now (as a server must, before serving), logging
+        each and telling `warmup_progress` of it."""
         self.engine_config = config or EngineConfig(**overrides)
         if config is not None and overrides:
             raise TypeError("pass either config or EngineConfig fields, not both")

@@ -103,9 +103,8 @@ class Server:
         log.info("ready: %s, %d buckets compiled", self.model_name, client.num_buckets)
 
     def _compiled(self, progress) -> None:
-        """Each bucket compiled at start-up: logged, and counted for /health."""
+        """Each bucket compiled at start-up, counted for /health (the runner logs it)."""
         self.warmup = (progress.done, progress.total)
-        log.info("%s", progress)
 
     async def drain(self) -> None:
         """Refuse new work (503), let live requests finish, cancel what is left."""

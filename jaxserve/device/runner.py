@@ -64,10 +64,6 @@ class WarmupProgress:
                 f"({self.done}/{self.total}, ~{self.remaining:.0f} s left)")
 
 
-def _log_progress(progress: WarmupProgress) -> None:
-    log.info("%s", progress)
-
-
 _BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 
 
@@ -272,10 +268,9 @@ class ModelRunner:
         CPU, minutes per bucket at an 8k context: attention loops over the pages a
         row holds). Without it they sit at the start: the compile is the same, the
         times are the short-context ones. The prompt-logprob pass (`step.score`) is
-        compiled for every token size too. `progress` hears of each compile (default:
-        a log line each, with an estimate of the time left).
+        compiled for every token size too. Each compile is logged, with an estimate of the
+        time left, and told to `progress` if given.
         """
-        progress = progress or _log_progress
         context = self.max_pages * self.page_size if worst_case else 0
         buckets = self.buckets.buckets()
         total = len(self.buckets.token_sizes) + len(buckets)
@@ -285,8 +280,10 @@ class ModelRunner:
         def report(kind: str, shape: tuple[int, int], seconds: float) -> None:
             nonlocal done
             done += 1
-            progress(WarmupProgress(done, total, kind, shape, seconds,
-                                    time.perf_counter() - began))
+            update = WarmupProgress(done, total, kind, shape, seconds, time.perf_counter() - began)
+            log.info("%s", update)
+            if progress is not None:
+                progress(update)
 
         for num_tokens in self.buckets.token_sizes:
             start = time.perf_counter()

@@ -221,12 +221,8 @@ class Engine:
     def _isolate(self, request: Request) -> None:
         """A fault while handling one request (detokenizing, stop checks, its stream) ends
         that request alone with an error; the step and every other request go on."""
-        if request.finished:
-            self._free(request)
-            return
-        request.finish_reason = "error"
-        self._free(request)
-        self._tell(request)
+        self._stop(request.request_id, "error")
+        self._free(request)  # had it finished before the fault, it may not be freed yet
 
     def _take_inbox(self) -> None:
         with self._lock:
