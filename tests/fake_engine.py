@@ -73,6 +73,7 @@ def make_engine(
     stream_capacity: int = 64,
     prefix_caching: bool = True,
     proposer=None,
+    reserved_rows: int = 0,
 ) -> tuple[Engine, FakeRunner]:
     runner = FakeRunner()
     scheduler = Scheduler(
@@ -83,6 +84,7 @@ def make_engine(
         max_model_len,
         token_budget,
         prefix_caching,
+        reserved_rows,
     )
     engine = Engine(
         runner, scheduler, word_tokenizer(), (EOS,), stream_capacity, debug_checks=True,

@@ -7,7 +7,10 @@ overtaken forever. While more than one tenant is active (has sent a request in t
 last ACTIVE_WINDOW_S seconds), no tenant may hold more than max_batch −
 reserved_rows rows: without preemption, a row kept free is what lets another
 tenant's request start at the next step instead of after one of the flood's
-requests ends. A tenant alone uses the whole batch.
+requests ends. A tenant alone uses the whole batch. Prefill chunks take the token
+budget left after the decodes in the same order (priority class, then the tenant with
+fewer rows, then oldest), so a flood's backlog of admitted prompts does not hold back
+another tenant's first token either.
 
 Prefix caching: a new request reuses every leading full page of its prompt that
 is already cached (for its cache salt) and prefills only the rest. At least one
@@ -161,7 +164,7 @@ class Scheduler:
 
     def _plan(self, shard: int) -> list[Chunk]:
         """One shard's chunks: every decode (with what drafts the budget leaves room for),
-        then prefill chunks (oldest first) in the budget."""
+        then prefill chunks in the budget, in admission's order (see the module docstring)."""
         running = [r for r in self.running.values() if r.shard == shard]
         decoding = [r for r in running if not r.in_prefill]
         budget = self.token_budget - len(decoding)  # a decode's own token comes first
@@ -172,11 +175,15 @@ class Scheduler:
             drafts = request.spec_token_ids[: max(0, min(budget, room))]
             chunks.append(self._chunk(request, 1, drafts))
             budget -= len(drafts)
-        for request in running:
-            if request.in_prefill and budget > 0:
-                n = min(len(request.token_ids) - request.num_computed, budget)
-                chunks.append(self._chunk(request, n))
-                budget -= n
+        prefilling = [r for r in running if r.in_prefill]
+        # a stable sort: oldest first among equals
+        prefilling.sort(key=lambda r: (r.priority, self.running_per_tenant[r.tenant]))
+        for request in prefilling:
+            if budget <= 0:
+                break
+            n = min(len(request.token_ids) - request.num_computed, budget)
+            chunks.append(self._chunk(request, n))
+            budget -= n
         return chunks
 
     def row_cap(self) -> int:
