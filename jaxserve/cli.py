@@ -153,7 +153,7 @@ def _engine_flags(parser: argparse.ArgumentParser) -> None:
         help="compiled buckets persist here: a second start loads them instead of compiling",
     )
     group.add_argument("--stream-buffer", type=int, default=DEFAULTS["stream_capacity"],
-                       help="outputs per request")
+                       help="unread outputs a request keeps apart; past it they merge")
     group.add_argument("--no-prefix-cache", action="store_true", help="never reuse KV pages")
     group.add_argument(
         "--reserved-rows", type=int, default=None,

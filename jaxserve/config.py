@@ -120,7 +120,7 @@ class EngineConfig:
     attention_backend: str | None = None  # None: by platform (see attention.select_backend)
     tpot_slo_ms: float | None = None
     compilation_cache_dir: str | None = None
-    stream_capacity: int = 256  # outputs buffered per request before it is cancelled
+    stream_capacity: int = 256  # unread outputs a request keeps apart; past it they merge
     prefix_caching: bool = True  # reuse cached full pages of earlier prompts
     # rows no tenant may take while another is active (see scheduler);
     # None: max(1, max_batch // 8)

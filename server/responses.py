@@ -1,9 +1,11 @@
 """From engine streams to an HTTP answer: one JSON body, or SSE events as tokens come.
 
-Each choice of a response is one engine request with its bounded output stream. A
-pump reads it (observing the latency metrics at the engine's emit times); a stream
-writes through a bounded sink and a small socket buffer, so a client that stops
-reading stops its pumps, its engine streams fill, and the engine cancels them.
+Each choice of a response is one engine request with its output stream. A pump reads
+it (observing the latency metrics at the engine's emit times); a stream writes
+through a bounded sink and a small socket buffer, so a client that falls behind stops
+its pumps and its outputs wait in its engine streams, merged (bounded by the
+request's own output). Only a client that has not read for the write timeout is
+dropped, and its requests cancelled: a reader that lags for a moment loses nothing.
 """
 
 import asyncio
@@ -77,8 +79,10 @@ class Responder:
                 if last is None:
                     choice.ttft = now - start
                     m.time_to_first_token.observe(choice.ttft)
-                else:
-                    m.inter_token_latency.observe(now - last)
+                else:  # merged outputs (a lagging reader): each step gets the mean gap
+                    gap = (now - last) / out.num_steps
+                    for _ in range(out.num_steps):
+                        m.inter_token_latency.observe(gap)
                 last = now
                 m.generation_tokens.inc(len(out.token_ids))
             choice.outputs.append(out)
@@ -127,9 +131,9 @@ class Responder:
             # writes below soon block, and with them the pumps (see `sink`).
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, STREAM_SEND_BUFFER)
         await resp.prepare(http)
-        # Bounded, so a client that stops reading stops the pumps too: its engine
-        # stream then fills and the engine cancels it (an unbounded sink would
-        # buffer its whole output here instead).
+        # Bounded, so a client that stops reading stops the pumps too: its outputs
+        # then wait merged in its engine streams (an unbounded sink would hold them
+        # here, one event a step).
         sink: asyncio.Queue = asyncio.Queue(maxsize=len(choices))
         pumps = [asyncio.create_task(self.pump(c, start, sink)) for c in choices]
 

@@ -108,18 +108,27 @@ def test_cancel_frees_pages_by_the_next_step_and_ends_the_stream():
     assert drain(stream)[2] == "abort"
 
 
-def test_a_full_output_buffer_cancels_that_request_only():
+def test_a_consumer_that_falls_behind_loses_nothing_and_cancels_nothing():
+    """Past its buffer's capacity a request's outputs merge (stream.py): the engine
+    never waits for a consumer, nor cancels one that lags; it finishes and is freed."""
     engine, _ = make_engine(stream_capacity=2)
-    slow = engine.submit([1], SamplingParams(max_tokens=20, ignore_eos=True), "slow")
-    fast = engine.submit([2], SamplingParams(max_tokens=20, ignore_eos=True), "fast")
-    fast_tokens = []
+    params = SamplingParams(max_tokens=20, ignore_eos=True)
+    slow = engine.submit([1], params, "slow")
+    fast = engine.submit([2], params, "fast")
+    fast_outputs = []
     while engine.has_work():
         engine.step()
         while len(fast):
-            fast_tokens += fast.get(timeout=0).token_ids
-    assert len(fast_tokens) == 20
+            fast_outputs.append(fast.get(timeout=0))
+    assert [len(o.token_ids) for o in fast_outputs] == [1] * 20  # read as it came
     items = [slow.get(timeout=0) for _ in range(len(slow))]
-    assert items[-1].finish_reason == "abort" and len(items) == 3
+    # the first output, the other 18 merged, the final one
+    assert [len(o.token_ids) for o in items] == [1, 18, 1]
+    assert [o.num_steps for o in items] == [1, 18, 1]
+    assert items[-1].finish_reason == "length"
+    tokens = [t for o in items for t in o.token_ids]
+    assert tokens == [next_token(t) for t in [1, *tokens[:-1]]]
+    assert "".join(o.text for o in items) == "".join(f" w{t}" for t in tokens)
     alloc = engine.scheduler.allocators[0]
     assert alloc.num_used == 0 and alloc.num_free + alloc.num_cached == alloc.num_usable
 

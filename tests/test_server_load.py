@@ -31,7 +31,7 @@ MODEL = "tiny"
 MAX_BATCH = 8
 MAX_QUEUE = 16  # fixed bound of the waiting queue
 TENANT_SHARE = MAX_QUEUE - MAX_QUEUE // 8  # of its places one tenant may hold
-STREAM_BUFFER = 16  # outputs a request may have unread before the engine cancels it
+STREAM_BUFFER = 16  # unread outputs a request keeps apart; past it they merge
 WRITE_TIMEOUT = 3  # seconds a stream write may block before the server drops the client
 TIMEOUT = aiohttp.ClientTimeout(total=120)
 
@@ -271,14 +271,17 @@ def test_dropped_streams_free_their_pages_within_a_second(server):
 # ---------------------------------------------------------------- slow reader
 
 
-def open_raw_stream(url: str, path: str, payload: dict, tenant: str, slow: bool) -> socket.socket:
-    """Send a streaming request on a raw socket, to be read by `read_until_closed` or,
-    `slow`, never (its receive window is then kept small). The server closes the
-    connection after the response."""
+def open_raw_stream(
+    url: str, path: str, payload: dict, tenant: str, rcvbuf: int | None = None
+) -> socket.socket:
+    """Send a streaming request on a raw socket, to be read by `read_until_closed`, or
+    never. With `rcvbuf` its receive window is kept that small, so a reader that stops
+    (or never starts) soon blocks the server's writes. The server closes the connection
+    after the response."""
     host, port = url.removeprefix("http://").split(":")
     sock = socket.socket()
-    if slow:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # before connect
+    if rcvbuf is not None:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)  # before connect
     sock.connect((host, int(port)))
     data = json.dumps({**payload, "stream": True}).encode()
     sock.sendall(
@@ -289,14 +292,24 @@ def open_raw_stream(url: str, path: str, payload: dict, tenant: str, slow: bool)
     return sock
 
 
-def read_until_closed(sock: socket.socket, timeout: float = 10) -> None:
-    """Drain `sock` until the server has closed it (socket.timeout if it has not)."""
+def read_until_closed(
+    sock: socket.socket, timeout: float = 10, pause_after: int | None = None,
+    pause_s: float = 0.0,
+) -> bytes:
+    """Drain `sock` until the server has closed it (socket.timeout if it has not); with
+    `pause_after`, stop reading for `pause_s` seconds once that many bytes have come.
+    Returns the bytes read."""
     sock.settimeout(timeout)
+    data = bytearray()
     try:
-        while sock.recv(1 << 16):
-            pass
+        while chunk := sock.recv(1 << 16):
+            data += chunk
+            if pause_after is not None and len(data) >= pause_after:
+                time.sleep(pause_s)
+                pause_after = None
     except ConnectionResetError:
         pass  # an aborted connection
+    return bytes(data)
 
 
 def log_count(proc, text: str) -> int:
@@ -323,7 +336,8 @@ FAIRNESS_ROUNDS = 4
 
 
 def test_slow_reader_is_cancelled_without_slowing_others(server):
-    """A client that never reads is cancelled once its output buffer fills; the others'
+    """A client that never reads is dropped once its writes have blocked for the write
+    timeout, and its requests cancelled (their pages freed); the others'
     inter-token latency does not notice it (p95 within 10% of runs without it).
 
     6 normal streams run beside a heavy request (n=2 with 20 alternatives a token,
@@ -333,18 +347,20 @@ def test_slow_reader_is_cancelled_without_slowing_others(server):
     this 2-core machine a loopback write of 8 KB a step is a few % of a step),
     and that is not what is measured. Both runs have 8 rows, one bucket. The
     normal streams ask for one alternative per token, so every step computes the
-    top alternatives, as the heavy request's do.
+    top alternatives, as the heavy request's do. The unread request asks for more
+    tokens than it can make before the write timeout, so it is cancelled, not
+    finished, when its client is dropped.
     """
     url, proc = server
     normal = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 64,
               "ignore_eos": True, "logprobs": 1}  # logprobs: one chunk per token
     # 20 alternatives per token in both choices make ~8 KB a step, so the socket
-    # buffers fill in a few dozen steps and then the engine's output buffer does;
-    # read, it outlasts the normal streams
+    # buffers fill in a few dozen steps; read, it outlasts the normal streams
     heavy = {"model": MODEL, "messages": [{"role": "user", "content": "Never read me"}],
              "max_tokens": 96, "n": 2, "ignore_eos": True, "logprobs": True,
              "top_logprobs": 20}
-    cancelled, dropped = "is full: cancelling it", "stopped reading: closing"
+    unread = {**heavy, "max_tokens": 400}
+    dropped = "stopped reading: closing"
 
     async def itl_run(session, num_clients=6):
         results = await asyncio.gather(*(
@@ -365,7 +381,7 @@ def test_slow_reader_is_cancelled_without_slowing_others(server):
             await asyncio.sleep(0.01)
 
     async def beside_steady_reader(session):
-        sock = open_raw_stream(url, "/v1/chat/completions", heavy, "steady", slow=False)
+        sock = open_raw_stream(url, "/v1/chat/completions", heavy, "steady")
         try:
             reader = asyncio.create_task(asyncio.to_thread(read_until_closed, sock, 60))
             await started(session, "steady")
@@ -377,40 +393,37 @@ def test_slow_reader_is_cancelled_without_slowing_others(server):
         return gaps
 
     async def beside_slow_reader(session, sockets):
-        sockets.append(open_raw_stream(url, "/v1/chat/completions", heavy, "slow", slow=True))
+        sockets.append(open_raw_stream(url, "/v1/chat/completions", unread, "slow", 4096))
         await started(session, "slow")
+        started_at = time.monotonic()
         beside = asyncio.create_task(itl_run(session))
-        # watched in the server's log, not through /admin/requests: polling the server
-        # would load it while the others' latency is measured. Each choice is a
-        # request of its own: n lines a slow reader.
-        cancelled_after = await wait_for_log(
-            proc, cancelled, 60, count=len(sockets) * heavy["n"]
-        )
         gaps = await beside
+        # watched in the server's log, not through /admin/requests: polling the server
+        # would load it while the others' latency is measured
+        await wait_for_log(proc, dropped, 60, count=len(sockets))
+        dropped_after = time.monotonic() - started_at
         await wait_idle(session, url, timeout=5)  # its pages are free
-        return gaps, cancelled_after
+        return gaps, dropped_after
 
     async def body():
-        steady, during, cancel_times, sockets = [], [], [], []
+        steady, during, drop_times, sockets = [], [], [], []
         async with aiohttp.ClientSession(timeout=TIMEOUT) as session:
             await wait_idle(session, url)
             try:
                 for _ in range(SLOW_READER_ROUNDS):
                     steady += await beside_steady_reader(session)
-                    gaps, cancelled_after = await beside_slow_reader(session, sockets)
+                    gaps, dropped_after = await beside_slow_reader(session, sockets)
                     during += gaps
-                    cancel_times.append(cancelled_after)
-                # the handlers blocked writing to them are not left blocked: past the
-                # write timeout the server drops the connections
-                dropped_after = await wait_for_log(proc, dropped, 30, count=len(sockets))
-                for sock in sockets:
+                    drop_times.append(dropped_after)
+                for sock in sockets:  # closed by the server: not left blocked
                     await asyncio.to_thread(read_until_closed, sock)
             finally:
                 for sock in sockets:
                     sock.close()
-        return steady, during, cancel_times, dropped_after
+        return steady, during, drop_times
 
-    steady, during, cancel_times, dropped_after = run(body(), timeout=300)
+    dropped_before = log_count(proc, dropped)
+    steady, during, drop_times = run(body(), timeout=400)
     log = Path(proc.log_path).read_text()
     # the request lines, written once a request has ended: what each was sent
     finished = re.findall(r"tenant=(slow|steady) .*output_tokens=(\d+) .*finish=(\w+)", log)
@@ -418,19 +431,80 @@ def test_slow_reader_is_cancelled_without_slowing_others(server):
     steady_lines = [(int(n), reason) for tenant, n, reason in finished if tenant == "steady"]
     ratio = p95(during) / p95(steady)
     print(
-        f"\nslow reader: cancelled {max(cancel_times):.1f} s or less after its first token, "
-        f"{max(n for n, _ in slow_lines)} or fewer of {heavy['max_tokens']} tokens sent; "
-        f"others' ITL p95 beside a steady reader {1000 * p95(steady):.1f} ms, beside the "
-        f"slow one {1000 * p95(during):.1f} ms ({ratio:.2f}x; {SLOW_READER_ROUNDS} rounds)"
+        f"\nslow reader: dropped {min(drop_times):.1f}-{max(drop_times):.1f} s after its "
+        f"first token (write timeout {WRITE_TIMEOUT} s), {max(n for n, _ in slow_lines)} or "
+        f"fewer of {unread['max_tokens']} tokens sent; others' ITL p95 beside a steady "
+        f"reader {1000 * p95(steady):.1f} ms, beside the slow one {1000 * p95(during):.1f} ms "
+        f"({ratio:.2f}x; {SLOW_READER_ROUNDS} rounds)"
     )
-    rounds = SLOW_READER_ROUNDS * heavy["n"]
-    assert log_count(proc, cancelled) == rounds and len(slow_lines) == rounds
-    # cancelled, not finished (a handler blocked in a write may never read the abort)
-    assert all(reason in ("abort", "cancelled") and n < heavy["max_tokens"]
+    rounds = SLOW_READER_ROUNDS * heavy["n"]  # each choice is a request of its own
+    assert log_count(proc, dropped) - dropped_before == SLOW_READER_ROUNDS
+    assert len(slow_lines) == rounds
+    # cancelled, not finished (a handler blocked in a write never reads the abort)
+    assert all(reason in ("abort", "cancelled") and n < unread["max_tokens"]
                for n, reason in slow_lines)
     assert steady_lines == [(heavy["max_tokens"], "length")] * rounds
-    assert dropped_after < 30
+    assert min(drop_times) > 0.9 * WRITE_TIMEOUT  # by the write timeout, not before
     assert ratio <= 1.10
+
+
+def test_a_reader_that_pauses_is_not_cancelled_on_a_loaded_machine(server):
+    """Beside CPU hogs, readers that stop reading for 2 s mid-stream (their small
+    receive windows full: hundreds of steps, many times the stream buffer, yet under
+    the write timeout) and readers that keep up get every token, while the one that
+    never reads is dropped at the write timeout and its request freed.
+    """
+    url, proc = server
+    job = {"model": MODEL, "messages": [{"role": "user", "content": "Take a break"}],
+           "max_tokens": 160, "ignore_eos": True, "logprobs": True, "top_logprobs": 20}
+    pause_s, num_pausing, num_steady = 2.0, 3, 2
+    dropped = "stopped reading: closing"
+    assert pause_s < WRITE_TIMEOUT
+
+    async def body():
+        async with aiohttp.ClientSession(timeout=TIMEOUT) as session:
+            await wait_idle(session, url)
+            hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
+                    for _ in range(2)]
+            never = open_raw_stream(url, "/v1/chat/completions", {**job, "max_tokens": 400},
+                                    "never", 4096)
+            socks = [open_raw_stream(url, "/v1/chat/completions", job, f"pausing{i}", 16384)
+                     for i in range(num_pausing)]
+            socks += [open_raw_stream(url, "/v1/chat/completions", job, "reading")
+                      for _ in range(num_steady)]
+            try:
+                readers = [
+                    asyncio.to_thread(read_until_closed, sock, 60, 8192, pause_s)
+                    for sock in socks[:num_pausing]
+                ] + [asyncio.to_thread(read_until_closed, sock, 60) for sock in socks[num_pausing:]]
+                received = await asyncio.gather(*readers)
+                await wait_for_log(proc, dropped, 30, count=dropped_before + 1)
+                await asyncio.to_thread(read_until_closed, never)  # closed by the server
+            finally:
+                for hog in hogs:
+                    hog.kill()
+                    hog.wait()
+                for sock in [never, *socks]:
+                    sock.close()
+            await wait_idle(session, url)
+        return received
+
+    dropped_before = log_count(proc, dropped)
+    received = run(body(), timeout=120)
+    log = Path(proc.log_path).read_text()
+    lines = re.findall(r"tenant=(never|pausing\d|reading) .*output_tokens=(\d+) .*finish=(\w+)",
+                       log)
+    events = [data.count(b"data: {") for data in received]
+    print(f"\npausing readers beside CPU hogs: SSE events per reader {events} for "
+          f"{job['max_tokens']} tokens (merged while a reader paused)")
+    assert log_count(proc, dropped) == dropped_before + 1  # the one that never reads
+    (never,) = [(int(n), reason) for tenant, n, reason in lines if tenant == "never"]
+    assert never[0] < 400 and never[1] in ("abort", "cancelled")
+    readers = [(n, reason) for tenant, n, reason in lines if tenant != "never"]
+    assert readers == [(str(job["max_tokens"]), "length")] * (num_pausing + num_steady)
+    assert all(b"data: [DONE]" in data[-64:] for data in received)
+    # each pause really backed up into the engine: its outputs came merged
+    assert all(n < job["max_tokens"] for n in events[:num_pausing])
 
 
 # ---------------------------------------------------------------- fairness

@@ -33,7 +33,7 @@ def test_a_step_wakes_all_its_asyncio_consumers_with_one_loop_call():
 
         def step():
             for s in streams:
-                assert s.push(RequestOutput(s.request_id, (7,), "x"), wake=False)
+                s.push(RequestOutput(s.request_id, (7,), "x"), wake=False)
 
         await on_engine_thread(step)
         done, _ = await asyncio.wait(readers, timeout=0.1)
@@ -46,13 +46,36 @@ def test_a_step_wakes_all_its_asyncio_consumers_with_one_loop_call():
     asyncio.run(body())
 
 
-def test_a_full_stream_refuses_all_but_a_final_output():
+def test_outputs_past_capacity_merge_into_one_and_a_final_output_stays_apart():
+    """A consumer that falls behind is never refused: past `capacity` unread outputs,
+    each new one joins the last (tokens, text, logprobs, steps; the last one's time).
+    The first output, whose time is the TTFT, is never merged into."""
     stream = OutputStream("req", capacity=2)
-    assert stream.push(RequestOutput("req", (1,), "a"))
-    assert stream.push(RequestOutput("req", (2,), "b"))
-    assert not stream.push(RequestOutput("req", (3,), "c"))
-    assert stream.push(RequestOutput("req", (), "", "abort"), force=True)
-    assert [stream.get(1).text for _ in range(3)] == ["a", "b", ""]
+
+    def out(i, reason=None, queue=None):
+        return RequestOutput("req", (i,), f"<{i}>", reason, 3, (-i / 10,), ({i: -i / 10},),
+                             queue_seconds=queue, time=100.0 + i)
+
+    stream.push(out(1, queue=0.5))
+    for i in range(2, 6):
+        stream.push(out(i))
+    stream.push(out(6, "length"))
+    assert len(stream) == 3
+    first, merged, final = (stream.get(1) for _ in range(3))
+    assert first == out(1, queue=0.5)
+    assert merged == RequestOutput(
+        "req", (2, 3, 4, 5), "<2><3><4><5>", None, 3, (-0.2, -0.3, -0.4, -0.5),
+        ({2: -0.2}, {3: -0.3}, {4: -0.4}, {5: -0.5}), time=105.0, num_steps=4,
+    )
+    assert final == out(6, "length")
+    # read as it comes, nothing merges; capacity 1 still keeps the first output apart
+    stream = OutputStream("req", capacity=1)
+    stream.push(out(1, queue=0.5))
+    stream.push(out(2))
+    stream.push(out(3))
+    assert [o.token_ids for o in (stream.get(1), stream.get(1))] == [(1,), (2, 3)]
+    stream.push(out(4))
+    assert stream.get(1) == out(4)
 
 
 def test_a_lazy_consumer_is_woken_for_a_half_full_buffer_or_the_final_output():

@@ -4,8 +4,8 @@ The engine holds no device state itself: a runner (the jitted model, or a fake
 in tests) turns a step plan into accepted tokens. Post-processing walks the plan's
 rows once: each accepted token is appended to its request record (which decides
 whether it stops), the record's computed count advances, its output is pushed, and a
-finished request is freed. The loop never waits on a consumer: a request whose
-output buffer is full is cancelled, alone.
+finished request is freed. The loop never waits on a consumer: the outputs of one
+that falls behind are merged in its stream (see stream.py), never refused.
 
 Speculative decoding has its path here: a `Proposer`, if given, drafts tokens for each
 decoding request after every step; the scheduler plans them after the request's last
@@ -277,10 +277,7 @@ class Engine:
             prompt_logprobs=tuple(request.prompt_logprobs) if prompt else None,
             prompt_top_logprobs=tuple(request.prompt_top_logprobs) if prompt else None,
         )
-        if not request.stream.push(result, force=result.finished, wake=False):
-            log.warning("output buffer of %s is full: cancelling it", request.request_id)
-            request.finish_reason = "abort"
-            self._tell(request)
+        request.stream.push(result, wake=False)
         return len(tokens)
 
     def _stop(self, request_id: str, reason: str) -> None:
@@ -302,7 +299,7 @@ class Engine:
         """A final, empty output carrying the reason a request was stopped."""
         final = RequestOutput(request.request_id, (), "", request.finish_reason,
                               len(request.prompt_ids))
-        request.stream.push(final, force=True)
+        request.stream.push(final)
 
     # ---------------------------------------------------------------- for operators
 

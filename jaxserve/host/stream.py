@@ -1,7 +1,10 @@
-"""A bounded buffer of one request's outputs, between the engine thread and its consumer.
+"""A buffer of one request's outputs, between the engine thread and its consumer.
 
-The engine only ever calls `push`, which never blocks: when the buffer is full it
-returns False and the engine cancels that request alone. Consumers read with a
+The engine only ever calls `push`, which never blocks and never refuses: past
+`capacity` unread outputs, each new one is merged into the last (one output carrying
+several steps' tokens, text and logprobs), so a consumer that falls behind costs at
+most the request's own output and is never cancelled for lagging (a server drops a
+client that stops reading for good: see server/responses.py). Consumers read with a
 blocking `get` (threads) or `async for` (asyncio; the engine wakes the loop with
 `call_soon_threadsafe`, once a step for all its streams: see `notify`). A consumer
 that only wants the whole answer (a non-streaming request) is `lazy`: it is woken
@@ -19,7 +22,7 @@ from dataclasses import dataclass, field
 
 @dataclass(frozen=True, slots=True)
 class RequestOutput:
-    """What one step produced for one request."""
+    """What one step (or several merged: `num_steps`) produced for one request."""
 
     request_id: str
     token_ids: tuple[int, ...]  # new tokens this step
@@ -29,20 +32,62 @@ class RequestOutput:
     logprobs: tuple[float, ...] | None = None  # of each new token, when asked for
     top_logprobs: tuple[dict[int, float], ...] | None = None  # alternatives per new token
     queue_seconds: float | None = None  # on the first token: arrival to admission
-    # time.monotonic() when the engine emitted it (made and pushed in one go)
+    # time.monotonic() when the engine emitted it (made and pushed in one go); merged,
+    # when it emitted the last of them
     time: float = field(default_factory=time.monotonic)
     # on the first token, when asked for: per prompt token (None for the first one)
     # its logprob after the tokens before it, and the alternatives there
     prompt_logprobs: tuple[float | None, ...] | None = None
     prompt_top_logprobs: tuple[dict[int, float] | None, ...] | None = None
+    num_steps: int = 1  # the engine steps whose outputs this one carries
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
 
 
+class _Merged:
+    """Consecutive non-final outputs of a lagging consumer, gathered into one (in lists,
+    so each merge costs only the new output's size)."""
+
+    finished = False  # a final output is never merged: it is the end, with its own time
+    queue_seconds = None  # nor is the first
+
+    def __init__(self, first: RequestOutput):
+        self.first = first
+        self.token_ids = list(first.token_ids)
+        self.texts = [first.text]
+        self.logprobs = None if first.logprobs is None else list(first.logprobs)
+        self.top_logprobs = None if first.top_logprobs is None else list(first.top_logprobs)
+        self.time = first.time
+        self.num_steps = first.num_steps
+
+    def add(self, item: RequestOutput) -> None:
+        self.token_ids += item.token_ids
+        self.texts.append(item.text)
+        if self.logprobs is not None:
+            self.logprobs += item.logprobs
+        if self.top_logprobs is not None:
+            self.top_logprobs += item.top_logprobs
+        self.time = item.time
+        self.num_steps += item.num_steps
+
+    def output(self) -> RequestOutput:
+        first = self.first
+        return RequestOutput(
+            first.request_id,
+            tuple(self.token_ids),
+            "".join(self.texts),
+            num_prompt_tokens=first.num_prompt_tokens,
+            logprobs=None if self.logprobs is None else tuple(self.logprobs),
+            top_logprobs=None if self.top_logprobs is None else tuple(self.top_logprobs),
+            time=self.time,
+            num_steps=self.num_steps,
+        )
+
+
 class OutputStream:
-    """Bounded FIFO of RequestOutput; the last item pushed has `finished` set."""
+    """FIFO of RequestOutput; the last item pushed has `finished` set."""
 
     def __init__(
         self,
@@ -51,34 +96,49 @@ class OutputStream:
         loop: asyncio.AbstractEventLoop | None = None,
         lazy: bool = False,
     ):
-        """With `loop`, an asyncio consumer on that loop reads it with `async for`;
+        """`capacity`: unread outputs kept apart before new ones merge into the last.
+        With `loop`, an asyncio consumer on that loop reads it with `async for`;
         `lazy`, it is woken only for a final output or a half-full buffer."""
         self.request_id = request_id
         self.capacity = capacity
         self.lazy = lazy
-        self._items: deque[RequestOutput] = deque()
+        self._items: deque[RequestOutput | _Merged] = deque()
         self._lock = threading.Lock()
         self._ready = threading.Condition(self._lock)
         self._loop = loop
         self._async_ready = asyncio.Event() if loop is not None else None
         self._finished_read = False  # the consumer has taken the final item
 
-    def push(self, item: RequestOutput, force: bool = False, wake: bool = True) -> bool:
-        """Append without blocking; False if full (a final item may `force` its way in).
+    def push(self, item: RequestOutput, wake: bool = True) -> None:
+        """Append without blocking, or merge into the last unread output (see above).
 
         With `wake` False an asyncio consumer is not woken: the caller calls `notify`.
         """
         with self._lock:
-            if len(self._items) >= self.capacity and not force:
-                return False
-            self._items.append(item)
+            items = self._items
+            tail = items[-1] if items else None
+            merge = (
+                not item.finished
+                and tail is not None
+                and tail.queue_seconds is None  # the first output keeps its own time: TTFT
+                and (isinstance(tail, _Merged) or len(items) >= self.capacity)
+            )
+            if not merge:
+                items.append(item)
+            else:
+                if not isinstance(tail, _Merged):
+                    tail = items[-1] = _Merged(tail)
+                tail.add(item)
             self._ready.notify_all()
         if wake:
             notify([self])
-        return True
 
     def __len__(self) -> int:
         return len(self._items)
+
+    def _pop(self) -> RequestOutput:
+        item = self._items.popleft()
+        return item.output() if isinstance(item, _Merged) else item
 
     def _wants_wake(self) -> bool:
         if not self.lazy:
@@ -92,7 +152,7 @@ class OutputStream:
         with self._ready:
             if not self._ready.wait_for(lambda: self._items, timeout):
                 raise TimeoutError(f"no output for {self.request_id} in {timeout}s")
-            return self._items.popleft()
+            return self._pop()
 
     def __aiter__(self) -> "OutputStream":
         return self
@@ -103,7 +163,7 @@ class OutputStream:
                 if self._finished_read:
                     raise StopAsyncIteration
                 if self._items:
-                    item = self._items.popleft()
+                    item = self._pop()
                     self._finished_read = item.finished
                     return item
                 self._async_ready.clear()
