@@ -137,7 +137,7 @@ class Outcome:
         return (self.e2e - self.ttft) / (self.output_tokens - 1)
 
 
-async def _one(
+async def send_one(
     session: aiohttp.ClientSession,
     url: str,
     body: dict,
@@ -216,7 +216,7 @@ async def _drive(
 
         async def send(body: dict, outcome: Outcome) -> None:
             try:
-                await _one(s, url, body, outcome, t0)
+                await send_one(s, url, body, outcome, t0)
             finally:
                 if slots:
                     slots.release()
