@@ -22,7 +22,7 @@ from jaxserve.config import EngineConfig, SamplingParams
 from jaxserve.host.request import RequestRejected
 from jaxserve.serving import EngineClient, EngineFailed
 from server import openai_format as fmt
-from server import prompts
+from server import openapi, prompts
 from server.admission import QueuePolicy
 from server.metrics import Metrics
 from server.protocol import APIError, ChatCompletionRequest, CompletionRequest, decode
@@ -288,6 +288,7 @@ def build_app(server: Server) -> web.Application:
     app.router.add_get("/health", server.health)
     app.router.add_get("/metrics", server.metrics_route)
     app.router.add_get("/admin/requests", server.admin_requests)
+    app.router.add_get("/openapi.json", openapi.route(server))
     return app
 
 
