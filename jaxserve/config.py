@@ -45,7 +45,7 @@ class ModelConfig:
 
 
 MAX_LOGPROBS = 20  # alternatives per token, as the OpenAI API allows
-ATTENTION_BACKENDS = ("pallas", "pallas-interpret", "xla", "reference")  # see attention.py
+ATTENTION_BACKENDS = ("pallas", "pallas-interpret", "cpu", "xla", "reference")  # see attention.py
 
 
 @dataclass(frozen=True, slots=True)

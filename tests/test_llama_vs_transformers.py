@@ -26,6 +26,8 @@ def hf_logits(model, ids: list[int]) -> np.ndarray:
 CASES = [(kind, "xla") for kind in sorted(CONFIGS)] + [
     ("llama-gqa-tied", "reference"),
     ("qwen2-bias", "pallas-interpret"),  # the Pallas ragged kernel inside the model
+    ("llama-gqa-tied", "cpu"),  # the C++ CPU kernel inside the model
+    ("qwen2-bias", "cpu"),
 ]
 
 

@@ -1,10 +1,12 @@
 """The one entry point through which models call paged attention, and its backend choice.
 
 Backends: "pallas" (the Pallas ragged kernel; GPU), "pallas-interpret" (the same
-kernel in interpret mode, to test it on CPU), "xla" (blocked jnp over pages; what
-serves on CPU, where Pallas runs only in slow interpret mode) and "reference"
-(dense, for tests). `select_backend` picks by platform unless told;
-the choice travels as a static field of the metadata, so model code never changes.
+kernel in interpret mode, to test it on CPU), "cpu" (a C++ kernel through XLA's FFI,
+reading pages in place; what serves on CPU, where Pallas runs only in slow interpret
+mode), "xla" (blocked jnp over pages: the CPU's fallback where the C++ kernel cannot be
+built or does not take the shapes) and "reference" (dense, for tests). `select_backend`
+picks by platform unless told; the choice travels as a static field of the metadata,
+so model code never changes.
 """
 
 import functools
@@ -12,9 +14,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from jaxserve.config import ATTENTION_BACKENDS
+from jaxserve.cpu_kernels.paged_attention import available as cpu_kernel_available
+from jaxserve.cpu_kernels.paged_attention import cpu_paged_attention
+from jaxserve.cpu_kernels.paged_attention import fits as cpu_kernel_fits
 from jaxserve.device.kv_cache import KVCache
 from jaxserve.device.sharding import MODEL
 from jaxserve.pallas_kernels.blocked_jnp import blocked_paged_attention
@@ -22,14 +28,32 @@ from jaxserve.pallas_kernels.ragged_attention import ragged_paged_attention
 from jaxserve.pallas_kernels.reference import ragged_paged_attention_reference
 
 
-def select_backend(requested: str | None = None) -> str:
-    """`requested` if given (validated), else Pallas on accelerators and XLA on CPU."""
+def select_backend(
+    requested: str | None = None,
+    dtype: jnp.dtype = jnp.float32,
+    page_size: int = 16,
+    head_dim: int = 64,
+) -> str:
+    """`requested` if given (validated), else Pallas on accelerators and, on CPU, the C++
+    kernel where it builds and takes the KV dtype and shapes (else blocked XLA)."""
+    fits = jnp.dtype(dtype) == jnp.float32 and cpu_kernel_fits(page_size, head_dim)
     if requested is None:
-        return "pallas" if jax.default_backend() == "gpu" else "xla"
+        if jax.default_backend() == "gpu":
+            return "pallas"
+        return "cpu" if fits and cpu_kernel_available() else "xla"
     if requested not in ATTENTION_BACKENDS:
         raise ValueError(
             f"attention backend must be one of {ATTENTION_BACKENDS}, got {requested!r}"
         )
+    if requested == "cpu":
+        if not fits:
+            raise ValueError(
+                f"the cpu attention backend takes an f32 KV cache, page sizes that are "
+                f"multiples of 4 and head sizes that are multiples of 4; got "
+                f"{jnp.dtype(dtype).name}, page size {page_size}, head size {head_dim}"
+            )
+        if not cpu_kernel_available():
+            raise ValueError("the cpu attention backend could not be built here (see the log)")
     return requested
 
 
@@ -66,10 +90,14 @@ def paged_attention(
             q, kv_cache.k, kv_cache.v, layer, metadata.seq_ids, positions, metadata.page_table,
             scale,
         )
-    if metadata.backend.startswith("pallas"):
-        kernel = functools.partial(
-            ragged_paged_attention, scale=scale, interpret=metadata.backend == "pallas-interpret"
-        )
+    if metadata.backend == "cpu" or metadata.backend.startswith("pallas"):
+        if metadata.backend == "cpu":
+            kernel = functools.partial(cpu_paged_attention, scale=scale)
+        else:
+            kernel = functools.partial(
+                ragged_paged_attention, scale=scale,
+                interpret=metadata.backend == "pallas-interpret",
+            )
         # the whole cache and the layer: slicing the layer out here would copy its pool
         return _head_local(kernel, kv_cache.k.shape[1])(
             q, kv_cache.k, kv_cache.v, metadata.cu_q_lens, metadata.kv_lens,
@@ -85,7 +113,7 @@ def _head_local(kernel: Callable, num_kv_heads: int) -> Callable:
     """`kernel` run by each device of the "model" axis on its own heads, where the KV
     heads divide that axis; else `kernel` itself.
 
-    A Pallas call has no partitioning rule: under the automatic "model" axis the
+    A Pallas (or FFI) call has no partitioning rule: under the automatic "model" axis the
     compiler would gather its operands, the whole KV cache among them, to
     every device at every step. Split by KV head, each device's query heads read
     only its own KV heads' pages (the cache is sharded the same way, see

@@ -116,7 +116,7 @@ class ModelRunner:
         self.buckets = buckets
         self.page_size = page_size
         self.max_pages = -(-max_model_len // page_size)
-        self.backend = select_backend(attention_backend)
+        self.backend = select_backend(attention_backend, dtype, page_size, cfg.head_dim)
         self.num_shards = 1 if mesh is None else mesh.shape[DATA]
         pool = num_pages * self.num_shards
         kv_shape = (cfg.num_layers, cfg.num_kv_heads, pool, page_size, cfg.head_dim)

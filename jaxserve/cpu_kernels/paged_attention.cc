@@ -1,0 +1,301 @@
+// Ragged paged attention on the CPU, called from XLA through its FFI.
+//
+// Why C++: XLA:CPU can only express paged attention as gathers of K/V pages into a
+// contiguous copy, then small batched dots; at a SmolLM2-size decode step that copy
+// and the dots' per-call overhead made attention ~40% of the step, several times the
+// time its bytes take to read. Here each (row, KV head, tile of the row's tokens) reads
+// its pages in place, one page at a time, with an online softmax: K and V are read once.
+//
+// Semantics are those of `ragged_paged_attention` (pallas_kernels/ragged_attention.py):
+// row r's tokens are q[cu_q_lens[r]:cu_q_lens[r+1]], the last of its kv_lens[r] keys;
+// token t sits at position kv_lens[r] - (cu_q_lens[r+1] - t) and sees keys 0..position.
+// Padding tokens (from cu_q_lens[num_rows] on) and tokens with no key get zeros.
+
+#include <algorithm>
+#include <atomic>
+#include <bit>
+#include <cmath>
+#include <condition_variable>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr int64_t kTileTokens = 16;  // tokens of one row per work item
+constexpr int64_t kMaxPageSize = 256;
+constexpr int64_t kTransposeQueries = 8;  // queries on a page from which K is transposed
+
+// exp(x) for the x <= 0 of an online softmax (a score minus the running max), written
+// with plain arithmetic so that the compiler vectorizes the loops calling it (Cephes'
+// expf: a degree-6 polynomial on [-ln2/2, ln2/2], scaled by 2^n; ~1 ulp).
+inline float ExpNonPositive(float x) {
+  x = std::max(x, -87.0f);  // below, exp underflows: 2^n stays a normal float
+  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
+  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  return p * std::bit_cast<float>(bits);
+}
+
+struct Problem {
+  const float* q;       // [num_tokens, num_heads, head_dim]
+  const float* k;       // [num_layers, num_kv_heads, num_pages, page_size, head_dim]
+  const float* v;
+  const int32_t* cu_q_lens;   // [num_rows + 1]
+  const int32_t* kv_lens;     // [num_rows]
+  const int32_t* page_table;  // [num_rows, max_pages]
+  float* out;                 // [num_tokens, num_heads, head_dim]
+  int64_t num_heads, head_dim, num_kv_heads, num_pages, page_size, max_pages, layer;
+  float scale;
+};
+
+struct Item {
+  int64_t row, kv_head, begin, end;  // tokens [begin, end) of `row`
+};
+
+// Per-thread buffers, sized once per call.
+struct Scratch {
+  std::vector<float> q, acc, m, l, s, kt;
+  std::vector<int64_t> pos;
+  Scratch(const Problem& p, int64_t group)
+      : q(kTileTokens * group * p.head_dim),
+        acc(kTileTokens * group * p.head_dim),
+        m(kTileTokens * group),
+        l(kTileTokens * group),
+        s(kTileTokens * group * p.page_size),
+        kt(p.head_dim * p.page_size),
+        pos(kTileTokens) {}
+};
+
+// kPageSize and kHeadDim are the common shapes as constants, so that the compiler
+// unrolls and vectorizes the loops over them; 0 reads them from the problem.
+template <int64_t kPageSize, int64_t kHeadDim>
+void RunItem(const Problem& p, const Item& it, Scratch& sc) {
+  const int64_t PS = kPageSize ? kPageSize : p.page_size;
+  const int64_t D = kHeadDim ? kHeadDim : p.head_dim;
+  const int64_t H = p.num_heads;
+  const int64_t group = H / p.num_kv_heads;
+  const int64_t tokens = it.end - it.begin;
+  const int64_t n = tokens * group;  // query vectors: token-major, then group
+  const int64_t row_end = p.cu_q_lens[it.row + 1];
+  const int64_t kv_len = std::min<int64_t>(p.kv_lens[it.row], p.max_pages * PS);
+  int64_t last_pos = -1;
+  for (int64_t i = 0; i < tokens; ++i) {
+    sc.pos[i] = kv_len - (row_end - (it.begin + i));
+    last_pos = std::max(last_pos, sc.pos[i]);
+  }
+  float* __restrict q = sc.q.data();
+  float* __restrict acc = sc.acc.data();
+  float* __restrict s = sc.s.data();  // [n, PS] one page's scores
+  float* __restrict kt = sc.kt.data();  // [D, PS] the page's K, transposed
+  for (int64_t i = 0; i < tokens; ++i) {
+    for (int64_t g = 0; g < group; ++g) {
+      const float* src = p.q + ((it.begin + i) * H + it.kv_head * group + g) * D;
+      float* dst = q + (i * group + g) * D;
+#pragma omp simd
+      for (int64_t d = 0; d < D; ++d) dst[d] = src[d] * p.scale;
+    }
+  }
+  std::fill(acc, acc + n * D, 0.0f);
+  std::fill(sc.m.begin(), sc.m.begin() + n, -INFINITY);
+  std::fill(sc.l.begin(), sc.l.begin() + n, 0.0f);
+  const int64_t num_blocks = last_pos < 0 ? 0 : last_pos / PS + 1;
+  const int64_t layer_offset = (p.layer * p.num_kv_heads + it.kv_head) * p.num_pages;
+  for (int64_t b = 0; b < num_blocks; ++b) {
+    int64_t page = p.page_table[it.row * p.max_pages + b];
+    if (page < 0 || page >= p.num_pages) page = 0;  // never read outside the pool
+    const float* __restrict kp = p.k + (layer_offset + page) * PS * D;
+    const float* __restrict vp = p.v + (layer_offset + page) * PS * D;
+    const int64_t first_key = b * PS;
+    // With many queries on this page, transpose K once so that each query's scores are
+    // vector FMAs over the keys; a decode's few queries take dot products instead.
+    const bool transposed = n >= kTransposeQueries;
+    if (transposed)
+      for (int64_t j = 0; j < PS; ++j)
+        for (int64_t d = 0; d < D; ++d) kt[d * PS + j] = kp[j * D + d];
+    for (int64_t qi = 0; qi < n; ++qi) {
+      const int64_t pos = sc.pos[qi / group];
+      if (pos < first_key) continue;
+      const int64_t valid = std::min(PS, pos - first_key + 1);
+      const float* __restrict qv = q + qi * D;
+      float* __restrict sq = s + qi * PS;
+      if (transposed) {
+        // four partial sums over the head dimension, each a vector of the page's keys
+        float p0[kPageSize ? kPageSize : kMaxPageSize], p1[kPageSize ? kPageSize : kMaxPageSize];
+        float p2[kPageSize ? kPageSize : kMaxPageSize], p3[kPageSize ? kPageSize : kMaxPageSize];
+        for (int64_t j = 0; j < PS; ++j) p0[j] = p1[j] = p2[j] = p3[j] = 0.0f;
+        for (int64_t d = 0; d < D; d += 4) {
+          const float x0 = qv[d], x1 = qv[d + 1], x2 = qv[d + 2], x3 = qv[d + 3];
+          const float* __restrict c = kt + d * PS;
+#pragma omp simd
+          for (int64_t j = 0; j < PS; ++j) {
+            p0[j] += x0 * c[j];
+            p1[j] += x1 * c[PS + j];
+            p2[j] += x2 * c[2 * PS + j];
+            p3[j] += x3 * c[3 * PS + j];
+          }
+        }
+#pragma omp simd
+        for (int64_t j = 0; j < PS; ++j)
+          sq[j] = j < valid ? (p0[j] + p1[j]) + (p2[j] + p3[j]) : -INFINITY;
+      } else {
+        // four keys at a time: four independent sums keep the FMA units busy
+        for (int64_t j = 0; j < PS; j += 4) {
+          const float* __restrict k0 = kp + j * D;
+          float d0 = 0.0f, d1 = 0.0f, d2 = 0.0f, d3 = 0.0f;
+#pragma omp simd reduction(+ : d0, d1, d2, d3)
+          for (int64_t d = 0; d < D; ++d) {
+            const float x = qv[d];
+            d0 += x * k0[d];
+            d1 += x * k0[D + d];
+            d2 += x * k0[2 * D + d];
+            d3 += x * k0[3 * D + d];
+          }
+          sq[j] = j < valid ? d0 : -INFINITY;
+          sq[j + 1] = j + 1 < valid ? d1 : -INFINITY;
+          sq[j + 2] = j + 2 < valid ? d2 : -INFINITY;
+          sq[j + 3] = j + 3 < valid ? d3 : -INFINITY;
+        }
+      }
+      float block_max = -INFINITY;
+#pragma omp simd reduction(max : block_max)
+      for (int64_t j = 0; j < PS; ++j) block_max = std::max(block_max, sq[j]);
+      const float m_old = sc.m[qi];
+      const float m_new = std::max(m_old, block_max);
+      const float correction = m_old == -INFINITY ? 0.0f : ExpNonPositive(m_old - m_new);
+      float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+      for (int64_t j = 0; j < PS; ++j) {
+        const float e = j < valid ? ExpNonPositive(sq[j] - m_new) : 0.0f;
+        sq[j] = e;
+        sum += e;
+      }
+      sc.m[qi] = m_new;
+      sc.l[qi] = sc.l[qi] * correction + sum;
+      float* __restrict a = acc + qi * D;
+#pragma omp simd
+      for (int64_t d = 0; d < D; ++d) {
+        float t = a[d] * correction;
+        for (int64_t j = 0; j < valid; ++j) t += sq[j] * vp[j * D + d];
+        a[d] = t;
+      }
+    }
+  }
+  for (int64_t i = 0; i < tokens; ++i) {
+    for (int64_t g = 0; g < group; ++g) {
+      const int64_t qi = i * group + g;
+      float* dst = p.out + ((it.begin + i) * H + it.kv_head * group + g) * D;
+      const float inv = sc.l[qi] > 0.0f ? 1.0f / sc.l[qi] : 0.0f;
+#pragma omp simd
+      for (int64_t d = 0; d < D; ++d) dst[d] = acc[qi * D + d] * inv;
+    }
+  }
+}
+
+using ItemFn = void (*)(const Problem&, const Item&, Scratch&);
+
+ItemFn ItemFor(const Problem& p) {
+  if (p.page_size == 16 && p.head_dim == 64) return RunItem<16, 64>;
+  if (p.page_size == 16 && p.head_dim == 128) return RunItem<16, 128>;
+  return RunItem<0, 0>;
+}
+
+// Work items handed out through one counter. The calling thread works too, so the call
+// completes even when XLA's pool (the FFI's ThreadPool) runs none of the tasks it is
+// given. (Threads of our own instead measured slower: XLA's idle workers spin a while
+// before they sleep, on the cores the extra threads needed.)
+struct Work {
+  const Problem problem;
+  const std::vector<Item> items;
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> done{0};
+  std::mutex mu;
+  std::condition_variable all_done;
+
+  Work(const Problem& p, std::vector<Item> its) : problem(p), items(std::move(its)) {}
+
+  void Drain() {
+    Scratch scratch(problem, problem.num_heads / problem.num_kv_heads);
+    const ItemFn run = ItemFor(problem);
+    const int64_t total = static_cast<int64_t>(items.size());
+    int64_t finished = 0;
+    for (int64_t i = next.fetch_add(1); i < total; i = next.fetch_add(1)) {
+      run(problem, items[i], scratch);
+      ++finished;
+    }
+    if (finished && done.fetch_add(finished) + finished == total) {
+      std::lock_guard<std::mutex> lock(mu);
+      all_done.notify_all();
+    }
+  }
+
+  void Wait() {
+    std::unique_lock<std::mutex> lock(mu);
+    all_done.wait(lock, [&] { return done.load() == static_cast<int64_t>(items.size()); });
+  }
+};
+
+ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
+                          ffi::Buffer<ffi::F32> k, ffi::Buffer<ffi::F32> v,
+                          ffi::Buffer<ffi::S32> cu_q_lens, ffi::Buffer<ffi::S32> kv_lens,
+                          ffi::Buffer<ffi::S32> page_table, ffi::Buffer<ffi::S32> layer,
+                          ffi::ResultBuffer<ffi::F32> out, float scale) {
+  const auto qd = q.dimensions(), kd = k.dimensions(), pd = page_table.dimensions();
+  if (qd.size() != 3 || kd.size() != 5 || pd.size() != 2)
+    return ffi::Error::InvalidArgument("paged_attention: q must be 3-D, k/v 5-D, page_table 2-D");
+  Problem p{q.typed_data(), k.typed_data(), v.typed_data(), cu_q_lens.typed_data(),
+            kv_lens.typed_data(), page_table.typed_data(), out->typed_data(),
+            qd[1], qd[2], kd[1], kd[2], kd[3], pd[1], layer.typed_data()[0], scale};
+  const int64_t num_tokens = qd[0], num_rows = pd[0];
+  if (p.page_size > kMaxPageSize || p.page_size % 4 || p.head_dim % 4 ||
+      p.num_heads % p.num_kv_heads || kd[4] != p.head_dim)
+    return ffi::Error::InvalidArgument("paged_attention: unsupported shapes");
+  if (p.layer < 0 || p.layer >= kd[0])
+    return ffi::Error::InvalidArgument("paged_attention: layer out of range");
+  std::vector<Item> items;
+  for (int64_t r = 0; r < num_rows; ++r) {
+    const int64_t begin = p.cu_q_lens[r], end = std::min<int64_t>(p.cu_q_lens[r + 1], num_tokens);
+    for (int64_t h = 0; h < p.num_kv_heads; ++h)
+      for (int64_t t = begin; t < end; t += kTileTokens)
+        items.push_back({r, h, t, std::min(end, t + kTileTokens)});
+  }
+  const int64_t live = std::clamp<int64_t>(p.cu_q_lens[num_rows], 0, num_tokens);
+  std::memset(p.out + live * p.num_heads * p.head_dim, 0,
+              (num_tokens - live) * p.num_heads * p.head_dim * sizeof(float));
+  if (items.empty()) return ffi::Error::Success();
+  auto work = std::make_shared<Work>(p, std::move(items));
+  const int64_t helpers =
+      std::min<int64_t>(pool.num_threads(), static_cast<int64_t>(work->items.size()) - 1);
+  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([work] { work->Drain(); });
+  work->Drain();
+  work->Wait();
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxservePagedAttention, PagedAttention,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // q
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // k cache
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // v cache
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // cu_q_lens
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // kv_lens
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // page_table
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // layer
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // out
+                                  .Attr<float>("scale"));

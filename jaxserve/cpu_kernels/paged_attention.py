@@ -1,0 +1,83 @@
+"""Ragged paged attention on the CPU: the C++ kernel of paged_attention.cc, through XLA's FFI.
+
+The same arguments and results as the Pallas `ragged_paged_attention`, so the attention
+entry point swaps one for the other by platform; `ragged_paged_attention_reference_lens`
+is its reference in the tests. f32 only: K and V are read in place, page by page, with
+an online softmax, so each byte of the pool that a row can see is read once a step.
+"""
+
+import ctypes
+import functools
+import logging
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxserve.cpu_kernels.build import KernelUnavailable, build
+from jaxserve.pallas_kernels import paged_attention as paged
+
+log = logging.getLogger(__name__)
+
+TARGET = "jaxserve_paged_attention"
+MAX_PAGE_SIZE = 256  # kMaxPageSize in paged_attention.cc
+
+
+def fits(page_size: int, head_dim: int) -> bool:
+    """Whether the kernel takes these shapes (its loops step by 4)."""
+    return page_size % 4 == 0 and 0 < page_size <= MAX_PAGE_SIZE and head_dim % 4 == 0
+
+
+@functools.cache
+def available() -> bool:
+    """Build (or find) the kernel library and register it with XLA; False, with the reason
+    logged once, where it cannot be built."""
+    try:
+        library = ctypes.cdll.LoadLibrary(str(build("paged_attention")))
+    except (KernelUnavailable, OSError) as e:
+        log.warning("the C++ CPU attention kernel is unavailable, serving with XLA's: %s", e)
+        return False
+    capsule = jax.ffi.pycapsule(library.JaxservePagedAttention)
+    jax.ffi.register_ffi_target(TARGET, capsule, platform="cpu")
+    return True
+
+
+def cpu_paged_attention(
+    q: jax.Array,  # f32[num_tokens, num_heads, head_dim]
+    k_pages: jax.Array,  # f32[num_layers, num_kv_heads, num_pages, page_size, head_dim]
+    v_pages: jax.Array,  # (or one layer's pool, [num_kv_heads, ...], with layer None)
+    cu_q_lens: jax.Array,  # i32[num_rows + 1] row r's tokens are q[cu_q_lens[r]:cu_q_lens[r+1]]
+    kv_lens: jax.Array,  # i32[num_rows] keys in each row's cache after this step
+    page_table: jax.Array,  # i32[num_rows, max_pages]
+    layer: jax.Array | int | None = None,  # i32[] the layer of a whole cache to read
+    *,
+    scale: float,
+) -> jax.Array:  # f32[num_tokens, num_heads, head_dim]; zeros for padding tokens
+    """Causal attention of a flat batch of prefill chunks and decodes over paged K/V."""
+    paged.check_pool(q, k_pages, v_pages)
+    for name, x in (("q", q), ("k_pages", k_pages)):
+        if x.dtype != jnp.float32:
+            raise ValueError(f"the CPU kernel takes f32 only, got {name} of {x.dtype}")
+    k_pages, v_pages, layer = paged.every_layer(k_pages, v_pages, layer)
+    num_tokens = q.shape[0]
+    page_size, head_dim = k_pages.shape[3:]
+    if not fits(page_size, head_dim):
+        raise ValueError(
+            f"the CPU kernel takes page sizes of 4 to {MAX_PAGE_SIZE} and head sizes that are "
+            f"multiples of 4; got page size {page_size}, head size {head_dim}"
+        )
+    paged.check_index("kv_lens", kv_lens, (None,), "it must be one length per row")
+    num_rows = kv_lens.shape[0]
+    why = f"kv_lens has shape {kv_lens.shape}"
+    paged.check_index("cu_q_lens", cu_q_lens, (num_rows + 1,), why)
+    paged.check_index("page_table", page_table, (num_rows, None), why)
+    if not available():
+        raise RuntimeError("the C++ CPU attention kernel could not be built (see the log)")
+    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(q.shape, q.dtype))
+    return call(
+        q, k_pages, v_pages,
+        jnp.clip(cu_q_lens, 0, num_tokens).astype(jnp.int32),
+        jnp.clip(kv_lens, 0, page_table.shape[1] * page_size).astype(jnp.int32),
+        page_table.astype(jnp.int32), layer,
+        scale=np.float32(scale),
+    )
