@@ -53,7 +53,7 @@ def expected_first_token_step(arrival: int, b_prompt: int, shape: str, a_rows: i
     ahead = 0
     if shape == "prefilling" and a_rows == 1:
         # A holds one row, as B does: equal tenants, first come first served, so the
-        # rest of A's one prefill (admitted before the warm steps) goes first
+        # rest of A's one prefill (admitted at the first warm step) goes first
         ahead = SHAPES["prefilling"][0] - WARM_STEPS * BUDGET
     return arrival + math.ceil((ahead + b_prompt) / (BUDGET - decodes)) - 1
 
