@@ -45,6 +45,8 @@ class ModelConfig:
 
 
 MAX_LOGPROBS = 20  # alternatives per token, as the OpenAI API allows
+# logit_bias entries a request may carry: every step carries a table this wide per row
+MAX_LOGIT_BIAS = 128
 ATTENTION_BACKENDS = ("pallas", "pallas-interpret", "cpu", "xla", "reference")  # see attention.py
 
 
@@ -75,8 +77,23 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     min_tokens: int = 0
+    # (token id, value added to its logit before sampling), as OpenAI's logit_bias;
+    # a dict is taken too. Logprobs stay those of the model's own logits.
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
+        bias = self.logit_bias
+        bias = bias.items() if isinstance(bias, dict) else bias
+        object.__setattr__(self, "logit_bias", tuple((int(t), float(v)) for t, v in bias))
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise ValueError(
+                f"logit_bias may hold at most {MAX_LOGIT_BIAS} tokens, got {len(self.logit_bias)}"
+            )
+        for token, value in self.logit_bias:
+            if token < 0 or not -100 <= value <= 100:
+                raise ValueError(
+                    f"logit_bias maps token ids >= 0 to values in [-100, 100], got {token}: {value}"
+                )
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         else:

@@ -5,9 +5,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxserve.config import MAX_LOGPROBS
+from jaxserve.config import MAX_LOGIT_BIAS, MAX_LOGPROBS
 from jaxserve.device.sampling import (
     SamplingTensors,
+    any_logit_bias,
+    apply_logit_bias,
     apply_penalties,
     argmax,
     init_penalty_state,
@@ -41,6 +43,8 @@ def rows(n, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seeds=None, counters
         samples=full(True, bool),
         prompt_rows=np.full(num_tokens, n, np.int32),
         logprobs=full(-1, np.int32),
+        bias_ids=np.zeros((n, MAX_LOGIT_BIAS), np.int32),
+        bias_values=np.zeros((n, MAX_LOGIT_BIAS), np.float32),
     )
 
 
@@ -112,6 +116,25 @@ def test_seeded_rows_do_not_depend_on_their_neighbours():
         rows(4, seeds=[1, 7, 2, 3], counters=[0, 3, 5, 9]),
     )
     assert int(batched[1]) == int(alone[0])
+
+
+def test_logit_bias_adds_to_its_rows_tokens_only():
+    params = rows(3)
+    ids, values = np.zeros((3, MAX_LOGIT_BIAS), np.int32), np.zeros((3, MAX_LOGIT_BIAS), np.float32)
+    ids[0, :3], values[0, :3] = [4, 7, 10**6], [100.0, -2.5, 50.0]  # 10**6: past the vocab
+    ids[2, :1], values[2, :1] = [4], [-100.0]
+    params = SamplingTensors(**{
+        **{f: getattr(params, f) for f in params.__dataclass_fields__},
+        "bias_ids": ids, "bias_values": values,
+    })
+    logits = LOGITS[:3]
+    got = np.asarray(apply_logit_bias(logits, params))
+    want = np.asarray(logits).copy()
+    want[0, 4] += 100.0
+    want[0, 7] -= 2.5
+    want[2, 4] -= 100.0
+    np.testing.assert_array_equal(got, want)
+    assert bool(any_logit_bias(params)) and not bool(any_logit_bias(rows(3)))
 
 
 def test_penalties_follow_vllm_formulas():

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from jaxserve.config import MAX_LOGIT_BIAS
 from jaxserve.device.attention import AttentionMetadata
 from jaxserve.device.sampling import SamplingTensors
 from jaxserve.device.step import StepInputs
@@ -76,6 +77,13 @@ def pack_step(
     for chunk, offset, length in zip(chunks, offsets.tolist(), lens.tolist()):
         if chunk.is_prompt and chunk.row is not None:
             prompt_rows[offset : offset + length] = chunk.row
+    bias_ids = np.zeros((num_rows, MAX_LOGIT_BIAS), np.int32)
+    bias_values = np.zeros((num_rows, MAX_LOGIT_BIAS), np.float32)
+    for i, chunk in enumerate(chunks):
+        if chunk.params.logit_bias:
+            ids, values = zip(*chunk.params.logit_bias)
+            bias_ids[i, : len(ids)] = ids
+            bias_values[i, : len(ids)] = values
     padding = [Chunk((), 1, (), samples=False)] * (num_rows - len(chunks))
     rows = list(chunks) + padding
     sampling = SamplingTensors(
@@ -96,6 +104,8 @@ def pack_step(
         logprobs=np.array(
             [-1 if c.params.logprobs is None else c.params.logprobs for c in rows], np.int32
         ),
+        bias_ids=bias_ids,
+        bias_values=bias_values,
     )
     metadata = AttentionMetadata(
         seq_ids, slot_mapping, page_table, cu_q_lens, kv_lens, logits_indices, attention_backend

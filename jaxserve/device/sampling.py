@@ -34,6 +34,8 @@ class SamplingTensors:
     samples: jax.Array  # bool[num_rows] the row's token counts as generated
     prompt_rows: jax.Array  # i32[num_tokens] penalty row of each prompt token; others -> spare
     logprobs: jax.Array  # i32[num_rows] alternatives the row asks for; -1: no logprobs
+    bias_ids: jax.Array  # i32[num_rows, MAX_LOGIT_BIAS] logit_bias tokens; padding 0
+    bias_values: jax.Array  # f32[num_rows, MAX_LOGIT_BIAS] added to those logits; padding 0
 
 
 @jax.tree_util.register_dataclass
@@ -83,6 +85,17 @@ def apply_penalties(
     logits = jnp.where(seen, jnp.where(logits > 0, logits / rep, logits * rep), logits)
     logits = logits - params.frequency_penalty[:, None] * counts
     return logits - params.presence_penalty[:, None] * (counts > 0)
+
+
+def apply_logit_bias(logits: jax.Array, params: SamplingTensors) -> jax.Array:
+    """Each row's logit_bias values added to its tokens' logits (f32[num_rows, vocab]);
+    ids past the vocabulary are dropped, padding entries add 0."""
+    rows = jnp.arange(logits.shape[0])[:, None]
+    return logits.at[rows, params.bias_ids].add(params.bias_values, mode="drop")
+
+
+def any_logit_bias(params: SamplingTensors) -> jax.Array:  # bool[]
+    return jnp.any(params.bias_values != 0)
 
 
 def any_penalty(params: SamplingTensors) -> jax.Array:  # bool[]

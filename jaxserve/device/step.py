@@ -27,7 +27,9 @@ from jaxserve.device.kv_cache import KVCache
 from jaxserve.device.sampling import (
     PenaltyState,
     SamplingTensors,
+    any_logit_bias,
     any_penalty,
+    apply_logit_bias,
     apply_penalties,
     record_output,
     record_prompt,
@@ -77,11 +79,15 @@ def _step(
         graphdef, state, kv_cache, inputs.token_ids, inputs.positions, inputs.metadata
     )
     params = inputs.sampling
+    # a step without logit_bias leaves the logits alone: the biased copy costs every row
+    biased = jax.lax.cond(
+        any_logit_bias(params), apply_logit_bias, lambda lg, _: lg, logits, params
+    )
     # only rows with a penalty read the penalty records: in a step without one they
     # are left alone (keeping them costs every row of the step)
     active = any_penalty(params)
     penalized, penalties = jax.lax.cond(
-        active, _penalize, lambda lg, pn, *_: (lg, pn), logits, penalties, params,
+        active, _penalize, lambda lg, pn, *_: (lg, pn), biased, penalties, params,
         inputs.token_ids,
     )
     tokens = sample(penalized, params)
