@@ -7,9 +7,12 @@ from hf_models import save_random_model
 
 from jaxserve import LLM, SamplingParams
 from jaxserve.checkpoint.tokenizer import Tokenizer
+from jaxserve.device import runner
+from jaxserve.device.batch import pack_step
 from jaxserve.device.runner import compile_count
 
 PROMPT = "Write a short poem about the sea and the sky."
+TARGET = "target"  # the request id of PROMPT in a batch
 OTHERS = [
     "Hi",
     "The quick brown fox jumps over the lazy dog. " * 3,
@@ -44,9 +47,38 @@ def llm(smollm2_gguf):
 )
 def test_tokens_are_the_same_alone_and_in_a_batch_of_16(llm, params):
     alone = llm.generate([PROMPT], params)[0].token_ids
+    assert tokens_in_a_batch_of_16(llm, params) == alone
+    alloc = llm.scheduler.allocators[0]
+    assert alloc.num_used == 0 and alloc.num_free + alloc.num_cached == alloc.num_usable
+
+
+def test_the_batch_invariance_test_fails_on_a_corrupted_page_table(llm, monkeypatch):
+    """The check above can fail: with two of the target row's pages swapped in the page
+    table the step reads (its K/V still written where they belong), its tokens differ."""
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    alone = llm.generate([PROMPT], params)[0].token_ids
+    corrupted = []
+
+    def pack_with_swapped_pages(chunks, *args, **kwargs):
+        inputs = pack_step(chunks, *args, **kwargs)
+        for row, chunk in enumerate(chunks):
+            if chunk.request_id == TARGET:
+                assert len(chunk.pages) >= 2  # prompt and output span pages 0 and 1
+                table = inputs.metadata.page_table
+                table[row, [0, 1]] = table[row, [1, 0]]
+                corrupted.append(row)
+        return inputs
+
+    monkeypatch.setattr(runner, "pack_step", pack_with_swapped_pages)
+    assert tokens_in_a_batch_of_16(llm, params) != alone
+    assert len(corrupted) == len(alone)  # every step the target ran: its prefill, 23 decodes
+
+
+def tokens_in_a_batch_of_16(llm, params: SamplingParams) -> list[int]:
+    """The tokens of PROMPT (request TARGET), run 8th of 16 with the 15 OTHERS."""
     others = SamplingParams(max_tokens=12, temperature=0.7, ignore_eos=False)
     streams = [llm.engine.submit(llm.encode(p), others) for p in OTHERS[:7]]
-    target = llm.engine.submit(llm.encode(PROMPT), params)
+    target = llm.engine.submit(llm.encode(PROMPT), params, request_id=TARGET)
     streams += [llm.engine.submit(llm.encode(p), others) for p in OTHERS[7:]]
     while llm.engine.has_work():
         llm.engine.step()
@@ -55,9 +87,7 @@ def test_tokens_are_the_same_alone_and_in_a_batch_of_16(llm, params):
         item = target.get(timeout=0)
         batched += item.token_ids
         finished = item.finished
-    assert batched == alone
-    alloc = llm.scheduler.allocators[0]
-    assert alloc.num_used == 0 and alloc.num_free + alloc.num_cached == alloc.num_usable
+    return batched
 
 
 def test_chunked_prefill_gives_the_same_tokens(llm, smollm2_gguf):
