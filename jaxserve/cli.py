@@ -64,6 +64,15 @@ def main(argv: list[str] | None = None) -> int:
         "--stream-write-timeout", type=float, default=30.0,
         help="seconds a stream write may block before the client is dropped",
     )
+    serve.add_argument(
+        "--max-connections", type=int, default=2048,
+        help="open connections; past it a new one gets 503 at once",
+    )
+    serve.add_argument(
+        "--request-read-timeout-s", type=float, default=30.0,
+        help="seconds for a request's headers (from the connection's opening or last "
+        "answer: idle connections close then), and again for its body; else it is closed",
+    )
     serve.add_argument("--default-max-tokens", type=int, default=256, help="chat default")
     serve.add_argument(
         "--step-timeout-s", type=float,
@@ -90,6 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "serve":
         try:  # engine flags that disagree: a usage error, before anything loads
             _engine_config(args)
+            _connection_limits(args)
         except ValueError as err:
             serve.error(str(err))
     run = {"generate": _generate, "convert": _convert, "serve": _serve, "plan": _plan}
@@ -195,6 +205,12 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
     )
 
 
+def _connection_limits(args: argparse.Namespace):
+    from server.connections import ConnectionLimits
+
+    return ConnectionLimits(args.max_connections, args.request_read_timeout_s)
+
+
 def _serve(args: argparse.Namespace) -> int:
     from server.admission import QueuePolicy
     from server.app import ServerConfig, run
@@ -222,6 +238,7 @@ def _serve(args: argparse.Namespace) -> int:
                 min_queue=args.max_batch * args.dp,
                 max_queued_tokens=args.max_queued_tokens,
             ),
+            connections=_connection_limits(args),
             max_body_bytes=args.max_body_bytes,
             drain_timeout_s=args.drain_timeout,
             stream_write_timeout_s=args.stream_write_timeout,

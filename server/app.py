@@ -24,6 +24,7 @@ from jaxserve.serving import EngineClient, EngineFailed
 from server import openai_format as fmt
 from server import openapi, prompts
 from server.admission import QueuePolicy
+from server.connections import ConnectionLimits, Site, read_body_within
 from server.metrics import Metrics
 from server.protocol import APIError, ChatCompletionRequest, CompletionRequest, decode
 from server.responses import Choice, Responder, json_response, log_request
@@ -42,6 +43,7 @@ class ServerConfig:
     api_key: str | None = None
     api_keys_file: str | None = None
     queue: QueuePolicy = field(default_factory=QueuePolicy)
+    connections: ConnectionLimits = field(default_factory=ConnectionLimits)
     max_body_bytes: int = 4 << 20
     drain_timeout_s: float = 30.0
     # a stream write blocked this long means the client stopped reading: drop it
@@ -281,7 +283,9 @@ async def _errors(request: web.Request, handler):
 
 
 def build_app(server: Server) -> web.Application:
-    app = web.Application(middlewares=[_errors], client_max_size=server.config.max_body_bytes)
+    read_body = read_body_within(server.config.connections.request_read_timeout_s)
+    app = web.Application(middlewares=[_errors, read_body],
+                          client_max_size=server.config.max_body_bytes)
     app.router.add_post("/v1/completions", server.completions)
     app.router.add_post("/v1/chat/completions", server.chat_completions)
     app.router.add_get("/v1/models", server.models)
@@ -299,9 +303,9 @@ async def serve(config: ServerConfig) -> int:
     """Open the port, load the model in the background, serve until SIGTERM/SIGINT or an
     engine failure, drain. Returns the exit status: 1 when the engine failed."""
     server = Server(config)
-    runner = web.AppRunner(build_app(server), handler_cancellation=True, access_log=None)
+    runner = web.AppRunner(build_app(server), handler_cancellation=True)
     await runner.setup()
-    await web.TCPSite(runner, config.host, config.port).start()
+    await Site(runner, config.host, config.port, config.connections).start()
     log.info("listening on http://%s:%d (loading the model)", config.host, config.port)
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
