@@ -9,6 +9,7 @@ scheduler, runner or page allocator behind it, so they can change without it.
 from __future__ import annotations
 
 import asyncio
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -52,6 +53,9 @@ class EngineStats:
     prefix_cache_queries: int
     prefix_cache_hits: int
     compiles_after_warmup: int
+    requests_admitted: int  # taken in by the engine
+    requests_finished: dict[str, int]  # ended by the engine, by finish reason
+    output_streams: int  # requests' output buffers still allocated (any left once idle leaked)
 
 
 class EngineClient:
@@ -64,6 +68,7 @@ class EngineClient:
         self._scheduler = llm.scheduler
         self._runner = llm.runner
         self._estimated_rate = self._warmup_admission_rate(typical_output_tokens)
+        self._streams: weakref.WeakSet[OutputStream] = weakref.WeakSet()  # still referenced
 
     @property
     def tokenizer(self) -> Tokenizer:
@@ -102,10 +107,12 @@ class EngineClient:
         lazy: bool,
         cache_salt: str = "",
     ) -> OutputStream:
-        return self._engine.submit(
+        stream = self._engine.submit(
             prompt_ids, params, tenant=tenant, priority=priority, loop=loop, lazy=lazy,
             cache_salt=cache_salt,
         )
+        self._streams.add(stream)
+        return stream
 
     def cancel(self, request_id: str) -> None:
         self._engine.cancel(request_id)
@@ -156,6 +163,9 @@ class EngineClient:
             s.prefix_queries,
             s.prefix_hits,
             self._runner.compiles_after_warmup,
+            self._engine.num_admitted,
+            dict(self._engine.num_finished),  # one C-level copy: safe beside the engine thread
+            len(self._streams),
         )
 
     # ---------------------------------------------------------------- thread

@@ -7,7 +7,7 @@ HTTP handlers and the engine's step callback, never inside device code.
 from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from jaxserve.host.results import StepTime
 from jaxserve.serving import EngineStats
@@ -16,6 +16,7 @@ from jaxserve.serving import EngineStats
 STEP_PART_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1,
                      0.25, 0.5, 1, 2.5)
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+FINISH_REASONS = {"stop", "length", "abort", "error"}
 
 
 class Metrics:
@@ -122,7 +123,8 @@ class Metrics:
 
 
 class _EngineCounters:
-    """Counters the engine keeps itself, exposed as Prometheus counters at scrape time."""
+    """Counters the engine keeps itself (and the count of its output buffers), exposed
+    at scrape time."""
 
     def __init__(self, stats: Callable[[], EngineStats]) -> None:
         self.stats = stats
@@ -145,5 +147,25 @@ class _EngineCounters:
                 "XLA compiles after warm-up (a shape escaped the buckets)",
                 s.compiles_after_warmup,
             ),
+            (
+                "jaxserve:requests_admitted",
+                "Requests the engine took in (past admission and its checks)",
+                s.requests_admitted,
+            ),
         ):
             yield CounterMetricFamily(name, doc, value=value)
+        finished = CounterMetricFamily(
+            "jaxserve:requests_finished",
+            "Requests the engine ended, by reason: stop and length completed, abort cancelled "
+            "(by the client, or a full output buffer), error failed. Once idle their sum is "
+            "requests_admitted (request_success counts the answers the server delivered)",
+            labels=["finished_reason"],
+        )
+        for reason in sorted(FINISH_REASONS | s.requests_finished.keys()):  # each from the start
+            finished.add_metric([reason], s.requests_finished.get(reason, 0))
+        yield finished
+        yield GaugeMetricFamily(
+            "jaxserve:num_output_streams",
+            "Requests' output buffers still allocated (0 once idle, or they leak)",
+            value=s.output_streams,
+        )

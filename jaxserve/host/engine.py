@@ -18,7 +18,7 @@ import logging
 import random
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -100,6 +100,10 @@ class Engine:
         self.failure: str | None = None  # why the loop stopped for good
         self._steps = 0  # steps run
         self._step_started: float | None = None  # monotonic start of the step under way
+        # every request taken in, and every one ended, by finish reason: once idle the
+        # two agree (a request never ended shows)
+        self.num_admitted = 0
+        self.num_finished: Counter[str] = Counter()
 
     # ---------------------------------------------------------------- client side
 
@@ -142,6 +146,7 @@ class Engine:
             if self.failure is not None:
                 raise EngineFailed(self.failure)
             self.requests[request_id] = request
+            self.num_admitted += 1
             self._inbox.append(request)
         self._wake.set()
         return request.stream
@@ -293,6 +298,7 @@ class Engine:
         """Free a finished request's row and pages (once: it leaves `requests`)."""
         if self.requests.pop(request.request_id, None) is not None:
             self.scheduler.finish(request.request_id)
+            self.num_finished[request.finish_reason] += 1
 
     @staticmethod
     def _tell(request: Request) -> None:
