@@ -47,6 +47,9 @@ METRICS = [
     "jaxserve:requests_rejected_total",
     "jaxserve:compiles_after_warmup_total",
     "jaxserve:preemptions_total",
+    "jaxserve:requests_admitted_total",
+    "jaxserve:requests_finished_total",
+    "jaxserve:num_output_streams",
 ]
 
 
