@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import importlib.metadata
 from typing import TYPE_CHECKING, Literal
 
 import msgspec
@@ -263,6 +264,10 @@ PROMPT = {
         {"type": "array", "minItems": 1, "items": _TOKEN_IDS},
     ],
 }
+TOP_LOGPROBS_NEED_LOGPROBS = {
+    "if": {"properties": {"top_logprobs": {"type": "integer"}}, "required": ["top_logprobs"]},
+    "then": {"properties": {"logprobs": {"const": True}}, "required": ["logprobs"]},
+}
 # a request's tokens, prompt and answer, fit the model's context: known once it loads
 CONTEXT_BOUNDED = {
     "CompletionRequest": ("max_tokens",),
@@ -320,6 +325,7 @@ ERRORS = {
     400: _error("Invalid request: the error names the parameter at fault"),
     401: _error("Missing or invalid API key (when the server has keys), or not an admin's"),
     404: _error("No such model"),
+    408: _error("The request body did not arrive in time (--request-read-timeout-s)"),
     413: _error("Request body too large (--max-body-bytes)"),
     429: _error(
         "Over a tenant's limit or the queue's bound",
@@ -327,7 +333,8 @@ ERRORS = {
                          "schema": {"type": "integer", "minimum": 0}}},
     ),
     500: _error("Internal error, or the engine failed while generating this request"),
-    503: _error("The model is loading, the server is draining, or the engine has failed"),
+    503: _error("The model is loading, the server is draining, the engine has failed, or "
+                "the server has --max-connections open"),
 }
 
 
@@ -355,7 +362,7 @@ def _generate(
                 "description": "The answer: one JSON body, or events when `stream` is true",
                 "content": {**_content(answer), "text/event-stream": _events(chunk)},
             },
-            **{str(s): ERRORS[s] for s in (400, 401, 404, 413, 429, 500, 503)},
+            **{str(s): ERRORS[s] for s in (400, 401, 404, 408, 413, 429, 500, 503)},
         },
     }
 
@@ -372,9 +379,8 @@ def _ok(name: str, description: str) -> dict:
     return {"description": description, "content": _content(name)}
 
 
-@functools.cache
-def _static() -> dict:
-    """The document, less what depends on the loaded model."""
+def _schemas() -> dict:
+    """Every body's schema by name: the Structs', with the server's ranges written in."""
     types = [
         CompletionRequest, ChatCompletionRequest, Completion, CompletionChunk, ChatCompletion,
         ChatCompletionChunk, ModelList, LiveRequestList, HealthOk, HealthUnavailable,
@@ -388,12 +394,21 @@ def _static() -> dict:
     for struct, field in REQUIRED.items():
         schemas[struct]["required"] = [field]
     schemas["CompletionRequest"]["properties"]["prompt"] = PROMPT
-    health_503 = {"description": "Not serving (yet, or any more)",
-                  "content": _content("HealthUnavailable")}
-    tenant = {"name": "X-Tenant", "in": "header", "required": False,
-              "description": "The tenant, when the server has no API keys",
-              "schema": {"type": "string"}}
-    keyed = [{}, {"bearerAuth": []}]  # a key is needed only when the server has keys
+    chat = schemas["ChatCompletionRequest"]
+    chat.update(TOP_LOGPROBS_NEED_LOGPROBS)
+    chat["properties"]["max_completion_tokens"]["description"] = (
+        "max_tokens's newer name: with both, they must be equal")
+    return schemas
+
+
+def _paths() -> dict:
+    health = _get("health", "Whether the server is serving", _ok("HealthOk", "Serving"),
+                  (500,))
+    health["responses"]["503"] = {
+        "description": "Not serving (yet, or any more), or too many connections",
+        "content": {JSON: {"schema": {"anyOf": [{"$ref": REF.format(name="HealthUnavailable")},
+                                                {"$ref": REF.format(name="ErrorResponse")}]}}},
+    }
     paths = {
         "/v1/completions": {"post": _generate(
             "completion", "Complete a prompt", "CompletionRequest", "Completion",
@@ -403,33 +418,40 @@ def _static() -> dict:
             "ChatCompletion", "ChatCompletionChunk", CHAT_EXAMPLES)},
         "/v1/models": {"get": _get("listModels", "The served model",
                                    _ok("ModelList", "The served model"), (401, 500, 503))},
-        "/health": {"get": _get("health", "Whether the server is serving",
-                                _ok("HealthOk", "Serving"), (500,))},
+        "/health": {"get": health},
         "/metrics": {"get": _get(
             "metrics", "Prometheus metrics",
             {"description": "Prometheus text format",
              "content": {"text/plain": {"schema": {"type": "string"}}}},
-            (500,))},
+            (500, 503))},
         "/admin/requests": {"get": _get(
             "liveRequests", "What the engine holds now",
             _ok("LiveRequestList", "One row per live request"), (401, 500, 503))},
         "/openapi.json": {"get": _get(
             "openapi", "This document",
             {"description": "OpenAPI 3.1", "content": {JSON: {"schema": {"type": "object"}}}},
-            (500,))},
+            (500, 503))},
     }
-    paths["/health"]["get"]["responses"]["503"] = health_503
+    tenant = {"name": "X-Tenant", "in": "header", "required": False,
+              "description": "The tenant, when the server has no API keys",
+              "schema": {"type": "string"}}
     for path in ("/v1/completions", "/v1/chat/completions", "/v1/models", "/admin/requests"):
         for op in paths[path].values():
-            op["security"] = keyed
+            op["security"] = [{}, {"bearerAuth": []}]  # a key only when the server has keys
             op["parameters"] = [tenant]
+    return paths
+
+
+@functools.cache
+def _static() -> dict:
+    """The document, less what depends on the loaded model."""
     return {
         "openapi": "3.1.0",
-        "info": {"title": "jaxserve", "version": "0.1.0",
+        "info": {"title": "jaxserve", "version": importlib.metadata.version("jaxserve"),
                  "description": "An OpenAI-compatible LLM server on JAX/XLA."},
-        "paths": paths,
+        "paths": _paths(),
         "components": {
-            "schemas": schemas,
+            "schemas": _schemas(),
             "securitySchemes": {"bearerAuth": {"type": "http", "scheme": "bearer"}},
         },
     }

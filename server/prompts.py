@@ -65,10 +65,15 @@ def chat(
     except ValueError as e:
         raise APIError(400, str(e), param="messages") from None
     ids = client.tokenizer.encode(text, add_special_tokens=False)
+    if req.top_logprobs is not None and not req.logprobs:  # refused, not ignored
+        raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     max_tokens = req.max_completion_tokens  # 0 is an error, not "unset"
     if max_tokens is None:
         max_tokens = req.max_tokens
+    elif req.max_tokens not in (None, max_tokens):  # one would be ignored
+        raise APIError(400, "max_tokens and max_completion_tokens differ: set one",
+                       param="max_tokens")
     if max_tokens is None:
         max_tokens = max(1, min(default_max_tokens, client.max_model_len - len(ids)))
     params = sampling_params(req, max_tokens, logprobs, default_max_tokens=max_tokens)

@@ -133,7 +133,8 @@ def test_schemathesis_finds_no_server_error_and_no_schema_violation(tiny_model, 
         run = subprocess.run(
             [sys.executable, "-m", "schemathesis.cli", "run", url + "/openapi.json",
              "--checks", ",".join(CHECKS), "--max-examples", "100", "--workers", "2",
-             "--generation-database", "none", "--no-color",
+             # n=16 answers with logprobs take seconds on a loaded 2-core machine
+             "--request-timeout", "60", "--generation-database", "none", "--no-color",
              "--report", "json,ndjson", "--report-json-path", str(report),
              "--report-ndjson-path", str(events_path)],
             cwd=tmp_path, capture_output=True, text=True, timeout=300,
