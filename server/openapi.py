@@ -16,9 +16,10 @@ from typing import TYPE_CHECKING, Literal
 import msgspec
 from aiohttp import web
 
-from jaxserve.config import MAX_LOGPROBS
+from jaxserve.config import MAX_LOGIT_BIAS, MAX_LOGPROBS
 from jaxserve.serving import LiveRequest
 from server.protocol import (
+    MAX_BIAS_VALUE,
     MAX_COMPLETION_LOGPROBS,
     MAX_N,
     MAX_STOP,
@@ -236,8 +237,11 @@ COMMON_RANGES = {
     "frequency_penalty": {"minimum": -2, "maximum": 2},
     "repetition_penalty": {"exclusiveMinimum": 0},
     "min_tokens": {"minimum": 0},
-    # refused rather than ignored until the sampler applies it
-    "logit_bias": {"maxProperties": 0},
+    "logit_bias": {
+        "maxProperties": MAX_LOGIT_BIAS,
+        "propertyNames": {"pattern": "^[0-9]+$"},
+        "additionalProperties": {"minimum": -MAX_BIAS_VALUE, "maximum": MAX_BIAS_VALUE},
+    },
 }
 RANGES = {
     "CompletionRequest": {

@@ -8,14 +8,14 @@ import math
 
 import msgspec
 
-from jaxserve.config import MAX_LOGPROBS, SamplingParams
+from jaxserve.config import MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams
 
 MAX_N = 16  # choices per request
 MAX_STOP = 4  # stop strings per request, as OpenAI allows
 # OpenAI's documented ranges, where vLLM is looser (the offline API keeps vLLM's)
 MAX_TEMPERATURE = 2.0
 MAX_COMPLETION_LOGPROBS = 5  # legacy completions; chat's top_logprobs go to MAX_LOGPROBS
-MAX_LOGIT_BIAS = 100.0
+MAX_BIAS_VALUE = 100.0  # logit_bias values are in [-100, 100]
 ROLES = ("system", "user", "assistant", "tool", "developer")
 
 
@@ -131,20 +131,24 @@ def _check_number(name: str, value: float | None) -> None:
         raise APIError(400, f"{name} must be a finite number", param=name)
 
 
-def _check_logit_bias(bias: dict[str, float] | None) -> None:
-    """OpenAI's logit_bias: token ids (as strings) to values in [-100, 100]. Checked, then
-    refused while the sampler cannot apply it: ignoring it would answer as if it had."""
+def _logit_bias(bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
+    """OpenAI's logit_bias, token ids (as strings) to values in [-100, 100], as
+    (id, value) pairs; at most MAX_LOGIT_BIAS of them (the engine's table per row)."""
     if not bias:
-        return
+        return ()
+    if len(bias) > MAX_LOGIT_BIAS:
+        raise APIError(400, f"logit_bias may hold at most {MAX_LOGIT_BIAS} tokens, got "
+                       f"{len(bias)}", param="logit_bias")
+    pairs = []
     for key, value in bias.items():
         if not key.isdigit():
             raise APIError(400, f"logit_bias keys must be token ids, got {key!r}",
                            param="logit_bias")
-        if not (math.isfinite(value) and -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS):
+        if not (math.isfinite(value) and -MAX_BIAS_VALUE <= value <= MAX_BIAS_VALUE):
             raise APIError(400, f"logit_bias values must be in [-100, 100], got {value}",
                            param="logit_bias")
-    raise APIError(400, "logit_bias is not supported by this server yet", param="logit_bias",
-                   code="unsupported_parameter")
+        pairs.append((int(key), float(value)))
+    return tuple(pairs)
 
 
 def sampling_params(
@@ -177,7 +181,6 @@ def sampling_params(
     if req.temperature is not None and req.temperature > MAX_TEMPERATURE:
         raise APIError(400, f"temperature must be at most {MAX_TEMPERATURE:g}, got "
                        f"{req.temperature}", param="temperature")
-    _check_logit_bias(req.logit_bias)
     fields = {
         "max_tokens": max_tokens if max_tokens is not None else default_max_tokens,
         "temperature": 1.0 if req.temperature is None else req.temperature,
@@ -194,6 +197,7 @@ def sampling_params(
         "stop_token_ids": tuple(req.stop_token_ids or ()),
         "ignore_eos": req.ignore_eos,
         "min_tokens": req.min_tokens,
+        "logit_bias": _logit_bias(req.logit_bias),
     }
     try:
         return SamplingParams(**fields)

@@ -197,6 +197,22 @@ def test_stop_string_truncates(client):
     assert streamed[-1].choices[0].finish_reason == "stop"
 
 
+def test_logit_bias_steers_both_apis(client, tokenizer):
+    word = tokenizer.encode(" sea", add_special_tokens=False)[0]
+    bias = {str(word): 100}
+    out = client.completions.create(
+        model=MODEL, prompt="A list of words:", max_tokens=5, temperature=0,
+        logit_bias=bias, extra_body={"ignore_eos": True},
+    )
+    assert out.choices[0].text == tokenizer.decode([word] * 5)
+    chat = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "A list of words:"}], max_tokens=5,
+        temperature=0.7, seed=3, logit_bias=bias, stream=True,
+    )
+    assert "".join(c.choices[0].delta.content or "" for c in chat if c.choices) == (
+        tokenizer.decode([word] * 5))
+
+
 def test_completion_logprobs(client):
     out = client.completions.create(
         model=MODEL, prompt="Numbers:", max_tokens=6, seed=3, logprobs=2,

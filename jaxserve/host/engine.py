@@ -28,7 +28,7 @@ from jaxserve.config import SamplingParams
 from jaxserve.host import faults
 from jaxserve.host.output_text import OutputText
 from jaxserve.host.plan import StepPlan
-from jaxserve.host.request import Request
+from jaxserve.host.request import Request, check_logit_bias
 from jaxserve.host.results import StepOutput, StepTime
 from jaxserve.host.scheduler import Scheduler
 from jaxserve.host.stream import OutputStream, RequestOutput, notify
@@ -139,7 +139,7 @@ class Engine:
             priority,
             cache_salt,
         )
-        self.scheduler.check(request)
+        self._check(request)
         request.stream = OutputStream(request_id, self.stream_capacity, loop, lazy)
         request.output = OutputText(prompt_ids, params, self.tokenizer, self.eos_token_ids)
         with self._lock:
@@ -154,7 +154,11 @@ class Engine:
     def check(self, prompt_ids: Sequence[int], params: SamplingParams) -> None:
         """Raise RequestRejected if such a request could never run (what `submit` checks),
         without queueing anything."""
-        self.scheduler.check(Request("check", tuple(prompt_ids), params, seed=0))
+        self._check(Request("check", tuple(prompt_ids), params, seed=0))
+
+    def _check(self, request: Request) -> None:
+        check_logit_bias(request.params, self.tokenizer.vocab_size)
+        self.scheduler.check(request)
 
     def cancel(self, request_id: str) -> None:
         """Stop a request; its pages are freed by the next iteration."""

@@ -101,6 +101,16 @@ class RequestRejected(ValueError):
         self.param, self.code = param, code
 
 
+def check_logit_bias(params: SamplingParams, vocab_size: int) -> None:
+    """Raise RequestRejected unless every logit_bias token is in the vocabulary."""
+    outside = [t for t, _ in params.logit_bias if t >= vocab_size]
+    if outside:
+        raise RequestRejected(
+            f"logit_bias token ids must be in [0, {vocab_size}), got {outside[0]}",
+            "logit_bias",
+        )
+
+
 def check_prompt_ids(ids: list[int], vocab_size: int) -> None:
     """Raise RequestRejected unless `ids` is a non-empty prompt of in-vocabulary tokens."""
     if not ids:
