@@ -88,6 +88,12 @@ class Metrics:
             ["finished_reason"],
             registry=r,
         )
+        self.response_errors = Counter(
+            "jaxserve:response_errors",
+            "Answers the server failed to write after the engine produced them (a 500, or a "
+            "stream's error event)",
+            registry=r,
+        )
         self.requests_rejected = Counter(
             "jaxserve:requests_rejected", "Refused requests", ["reason"], registry=r
         )

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import msgspec
 from aiohttp import web
 
+from jaxserve.host import faults
 from jaxserve.host.stream import OutputStream, RequestOutput
 from server import openai_format as fmt
 from server.metrics import Metrics
@@ -104,12 +105,17 @@ class Responder:
         """Wait for every choice, then answer with one JSON body."""
         await asyncio.gather(*(self.pump(c, start) for c in choices))
         usage = fmt.usage(prompt_tokens, sum(c.num_tokens for c in choices))
-        items = [
-            form.choice(c.index, c.prompt_ids, c.text, c.outputs, c.finish_reason)
-            for c in choices
-        ]
-        return json_response(fmt.body(form.object_name, response_id, self.model_name, items,
-                                      usage))
+        try:
+            items = []
+            for c in choices:
+                faults.before_serialize(c.stream.request_id)
+                items.append(form.choice(c.index, c.prompt_ids, c.text, c.outputs,
+                                         c.finish_reason))
+            body = fmt.body(form.object_name, response_id, self.model_name, items, usage)
+            return json_response(body)
+        except Exception:
+            log.exception("writing the answer of %s failed", response_id)
+            raise self._failed(response_id) from None
 
     async def stream(
         self,
@@ -166,9 +172,19 @@ class Responder:
                     await send(failed.body)
                     await send(None)
                     return resp
-                item = form.delta(choice.index, choice.prompt_ids, out)
-                if out.text or out.finished or item["logprobs"]:
-                    await send(chunk([item]))
+                try:
+                    faults.before_serialize(choice.stream.request_id)
+                    item = form.delta(choice.index, choice.prompt_ids, out)
+                    wanted = out.text or out.finished or item["logprobs"]
+                    event = chunk([item]) if wanted else None
+                except Exception:
+                    log.exception("writing the answer of %s failed", response_id)
+                    # the status line has gone: the failure is the stream's last event
+                    await send(self._failed(response_id).body)
+                    await send(None)
+                    return resp
+                if event is not None:
+                    await send(event)
             if include_usage:
                 usage = fmt.usage(prompt_tokens, sum(c.num_tokens for c in choices))
                 await send(chunk([], usage))
@@ -183,6 +199,13 @@ class Responder:
             for task in pumps:
                 task.cancel()
         return resp
+
+
+    def _failed(self, response_id: str) -> APIError:
+        """The 500 of an answer the server could not write (the engine's part went well),
+        counted and named by the response's id."""
+        self.metrics.response_errors.inc()
+        return APIError(500, f"the server failed while writing the answer of {response_id}")
 
 
 def log_request(c: Choice, tenant: str, start: float) -> None:

@@ -67,21 +67,52 @@ def test_a_failed_engine_errors_every_request_and_exits(tmp_path_factory, smollm
     assert "the engine has failed" in log
 
 
-def test_a_fault_in_one_request_fails_that_request_alone(tmp_path_factory, smollm2_gguf):
-    """Post-processing one of 8 concurrent requests raises: that one ends with an error,
-    the other 7 give the tokens a fault-free run gives, and every page comes back."""
+# (where the fault is, streamed, the counter that counts it)
+FAULT_POINTS = [
+    ("emit", False, 'jaxserve:request_success_total{finished_reason="error"} 1.0'),
+    ("sample", False, 'jaxserve:request_success_total{finished_reason="error"} 1.0'),
+    ("serialize", False, "jaxserve:response_errors_total 1.0"),
+    ("serialize", True, "jaxserve:response_errors_total 1.0"),
+    ("emit", True, 'jaxserve:request_success_total{finished_reason="error"} 1.0'),
+]
+
+
+@pytest.mark.parametrize(("point", "stream", "counter"), FAULT_POINTS,
+                         ids=[f"{p}-{'stream' if s else 'json'}" for p, s, _ in FAULT_POINTS])
+def test_a_fault_in_one_request_fails_that_request_alone(tmp_path_factory, smollm2_gguf, point,
+                                                         stream, counter):
+    """One of 8 concurrent requests fails while post-processing its tokens (emit), setting up
+    its sampling (sample) or writing its answer (serialize): that one ends with an error
+    (a 500, or a stream's error event then [DONE]), the other 7 give the tokens a
+    fault-free run gives, the fault is counted once, and every page comes back."""
     model = save_tiny_chat_model(tmp_path_factory.mktemp("isolate"), smollm2_gguf)
-    env = {**os.environ, "JAXSERVE_FAULT": "emit:raise:req-3"}
+    env = {**os.environ, "JAXSERVE_FAULT": f"{point}:raise:req-3"}
     prompts = [f"Count to {i}:" for i in range(8)]
 
-    async def round_of_8(url: str) -> list[tuple[int, dict]]:
-        async def one(session, prompt):
-            body = {"prompt": prompt, "max_tokens": 12, "temperature": 0, "ignore_eos": True}
-            async with session.post(url + "/v1/completions", json=body) as resp:
-                return resp.status, await resp.json()
+    async def one(session, url, prompt) -> tuple[bool, str]:
+        """(whether it succeeded, its text)."""
+        body = {"prompt": prompt, "max_tokens": 12, "temperature": 0, "ignore_eos": True,
+                "stream": stream}
+        async with session.post(url + "/v1/completions", json=body) as resp:
+            if not stream:
+                answer = await resp.json()
+                if resp.status != 200:
+                    assert resp.status == 500 and answer["error"]["message"], answer
+                    return False, ""
+                return True, answer["choices"][0]["text"]
+            assert resp.status == 200
+            events = [line[6:].strip() async for line in resp.content
+                      if line.startswith(b"data: ")]
+            assert events[-1] == b"[DONE]", events
+            parsed = [json.loads(e) for e in events[:-1]]
+            if "error" in parsed[-1]:
+                assert parsed[-1]["error"]["message"], parsed[-1]
+                return False, ""
+            return True, "".join(c["choices"][0]["text"] for c in parsed if c["choices"])
 
+    async def round_of_8(url: str) -> list[tuple[bool, str]]:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as s:
-            return await asyncio.gather(*(one(s, p) for p in prompts))
+            return await asyncio.gather(*(one(s, url, p) for p in prompts))
 
     with running_server(model, *FLAGS, env=env) as (url, _):
         faulty = asyncio.run(round_of_8(url))  # req-1..8: req-3 fails
@@ -90,13 +121,12 @@ def test_a_fault_in_one_request_fails_that_request_alone(tmp_path_factory, smoll
         assert status == 200 and body == {"status": "ok"}
         with urllib.request.urlopen(url + "/metrics", timeout=5) as resp:
             metrics = resp.read().decode()
-    failed = [i for i, (status, _) in enumerate(faulty) if status != 200]
-    assert len(failed) == 1 and faulty[failed[0]][0] == 500, faulty
-    assert faulty[failed[0]][1]["error"]["message"]
-    for i, ((_, got), (status, want)) in enumerate(zip(faulty, clean)):
-        assert status == 200
+    failed = [i for i, (ok, _) in enumerate(faulty) if not ok]
+    assert len(failed) == 1, faulty
+    assert all(ok for ok, _ in clean)
+    for i, ((_, got), (_, want)) in enumerate(zip(faulty, clean)):
         if i not in failed:
-            assert got["choices"][0]["text"] == want["choices"][0]["text"]
-    assert 'jaxserve:request_success_total{finished_reason="error"} 1.0' in metrics
+            assert got == want and want
+    assert counter in metrics.splitlines()
     used = [x for x in metrics.splitlines() if x.startswith("jaxserve:kv_cache_usage_perc ")]
     assert used == ["jaxserve:kv_cache_usage_perc 0.0"]

@@ -14,6 +14,7 @@ model runner refuses drafts; tests drive the path with a scripted runner.
 """
 
 import asyncio
+import dataclasses
 import logging
 import random
 import threading
@@ -180,6 +181,7 @@ class Engine:
         for request_id in plan.admitted:
             self.requests[request_id].admitted_time = now
             self._admissions.append(now)
+        plan = self._set_up_sampling(plan)
         if not plan.chunks:
             return plan
         self._steps += 1
@@ -226,6 +228,24 @@ class Engine:
             if accepted:
                 streams.append(request.stream)
         notify(streams)
+
+    def _set_up_sampling(self, plan: StepPlan) -> StepPlan:
+        """Each row's sampling set-up, one request at a time, before the batch is packed
+        (where a failure would fail every row): a request whose set-up fails ends alone
+        with an error and its chunk leaves the step. Its parameters were checked at
+        submit, so today only the test hook fails here."""
+        kept = []
+        for chunk in plan.chunks:
+            try:
+                faults.before_sampling(chunk.request_id)
+            except Exception:
+                log.exception("request %s failed: ending it alone", chunk.request_id)
+                self._isolate(self.requests[chunk.request_id])
+                continue
+            kept.append(chunk)
+        if len(kept) == len(plan.chunks):
+            return plan
+        return dataclasses.replace(plan, chunks=tuple(kept))
 
     def _isolate(self, request: Request) -> None:
         """A fault while handling one request (detokenizing, stop checks, its stream) ends
