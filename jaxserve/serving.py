@@ -37,6 +37,7 @@ class QueueStats:
     tenant_must_wait: int  # of them, the asking tenant's
     shared: bool  # another tenant has a live request
     admission_rate: float  # admissions a second: measured, else estimated from the warm-up
+    free_rows: int  # rows the next step could still give new requests
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,7 +132,7 @@ class EngineClient:
     # ---------------------------------------------------------------- admission, gauges
 
     def queue_stats(self, tenant: str) -> QueueStats:
-        waiting = self._engine.must_wait()
+        waiting, free_rows = self._engine.must_wait()
         live = list(self._engine.requests.values())
         return QueueStats(
             len(waiting),
@@ -139,6 +140,7 @@ class EngineClient:
             sum(r.tenant == tenant for r in waiting),
             any(r.tenant != tenant for r in live),
             self._engine.admission_rate() or self._estimated_rate,
+            free_rows,
         )
 
     def _warmup_admission_rate(self, output_tokens: int) -> float:

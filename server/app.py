@@ -184,10 +184,12 @@ class Server:
         count = len(prompt_ids) * req.n
         try:
             queue = client.queue_stats(policy.name)
+            # only the choices that the next step cannot admit wait: n=16 choices on an
+            # idle server take 16 free rows at once and queue for nothing
             self.config.queue.admit(
                 queue.must_wait,
                 queue.must_wait_prompt_tokens,
-                count,
+                max(0, count - queue.free_rows),
                 sum(len(p) for p in prompt_ids) * req.n,
                 queue.admission_rate,
                 tenant_queued=queue.tenant_must_wait,

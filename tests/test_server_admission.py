@@ -54,3 +54,17 @@ def test_past_max_batch_a_429_comes_only_with_a_wait_past_the_budget(server):
         message = body["error"]["message"]
         wait = re.search(r"an estimated wait of ([\d.]+)s", message)
         assert wait and float(wait[1]) > BUDGET_S, message
+
+
+def test_choices_that_fit_the_free_rows_do_not_count_as_queued(server):
+    """On an idle server, 2 prompts × n=16 (32 sequences, twice --max-batch): the first 16
+    take free rows at once, so only 16 wait: within the bound, answered, not refused."""
+    async def one():
+        body = {**BODY, "prompt": ["one two", "three four"], "n": 16, "max_tokens": 4}
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as session:
+            async with session.post(server + "/v1/completions", json=body) as response:
+                return response.status, await response.json()
+
+    status, body = asyncio.run(one())
+    assert status == 200, body
+    assert len(body["choices"]) == 32

@@ -347,9 +347,10 @@ class Engine:
         """Requests not yet admitted: queued in the scheduler or not yet taken in."""
         return list(self.scheduler.waiting) + list(self._inbox)
 
-    def must_wait(self) -> list[Request]:
-        """The waiting requests that the next step cannot admit: past the free rows or
-        pages, or of a tenant at its row cap (read from another thread: an estimate)."""
+    def must_wait(self) -> tuple[list[Request], int]:
+        """The waiting requests that the next step cannot admit (past the free rows or
+        pages, or of a tenant at its row cap), and the rows it could still give new ones
+        (read from another thread: an estimate)."""
         scheduler = self.scheduler
         rows = sum(len(free) for free in scheduler.free_rows)
         pages = scheduler.num_pages_free + scheduler.num_pages_cached
@@ -362,7 +363,7 @@ class Engine:
                 held[request.tenant] = held.get(request.tenant, 0) + 1
             else:
                 waiting.append(request)
-        return waiting
+        return waiting, rows
 
     def live_requests(self) -> list[LiveRequest]:
         now = time.monotonic()
