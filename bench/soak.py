@@ -1,0 +1,604 @@
+"""Soak: mixed load on a live jaxserve for a given time, watching for leaks and drift.
+
+    .venv/bin/python bench/soak.py --duration 3600 [--model PATH] [--server-args "..."]
+        [--warmup 60] [--window 60] [--out bench/results/soak.json]
+    .venv/bin/python bench/soak.py --url http://127.0.0.1:8000 --pid PID --duration 300
+
+Without --url it starts `jaxserve serve` on --model (default: the default GGUF) with
+--server-args (default: a small batch and queue, so that bursts overflow them).
+
+The load, all of it at once from one asyncio client:
+- normal: --concurrency clients in a closed loop (a pause of --think s on average
+  between requests), taking turns over streamed and whole answers of /v1/completions
+  and /v1/chat/completions (4-48 words in, 4-32 tokens out): 200, or 429 while a burst
+  fills the queue.
+- bad inputs, one every --bad-every s: malformed JSON, a wrong type, a negative
+  max_tokens, an unknown model, an empty chat, a prompt past the context: each a 4xx.
+- disconnects, one every --disconnect-every s: a long stream dropped after 2 chunks.
+- slow readers, one every --slow-every s: a long stream read 256 bytes every 0.2 s
+  through a small receive buffer for --slow-s s, then dropped (the server may cut it).
+- bursts, one every --burst-every s: --burst whole answers at once, past the batch and
+  the queue: 200 or 429.
+
+Every --sample-every s: the server process's RSS, open file descriptors and threads
+(/proc/PID) and its KV pages in use (/metrics). Per --window s: the answers by status and
+the TTFT p50/p99 of the normal streamed requests (a steady probe; bursts delay it alike
+in every window).
+
+Checks (exit status 1 when one fails):
+- rss: RSS grows under --max-rss-mib-per-min past --warmup (least-squares slope). The
+  allocator swings RSS by ±10 MiB over minutes under this load on the tiny test model,
+  so a 5-minute run's slope carries about ±1 MiB/min of it; an hour settles it.
+- fds, threads: back to their idle counts (before the load) within 30 s of its end,
+  once the client has closed its connections.
+- unexpected: none of 5xx (a status, or an error event in a stream), a bad input
+  accepted, a normal or burst request failing but by 429, a client-side error.
+- ttft: p99 of the last third of the time past warm-up ≤ --max-ttft-growth × the first
+  third's (each third cut to a whole number of burst periods).
+
+Writes the JSON (with the machine, the command and every sample), a markdown summary and
+a plot (`soak.png`) beside --out.
+"""
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import shlex
+import socket
+import sys
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import aiohttp
+import numpy as np
+from common import (
+    RESULTS,
+    cpu_description,
+    fmt,
+    free_port,
+    markdown_table,
+    pyplot,
+    server_process,
+    write_json,
+)
+from serve import WORDS
+
+ROOT = Path(__file__).resolve().parents[1]
+GGUF = ROOT / "checkpoints" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+SERVER_ARGS = "--max-batch 8 --token-budget 64 --max-model-len 512 --max-queue 16"
+SETTLE_S = 30.0  # after the load, how long fds and threads have to return to idle
+
+
+@dataclass(frozen=True)
+class Mix:
+    """What the soak sends, for how long, and the limits it checks."""
+
+    duration_s: float = 300.0
+    warmup_s: float = 60.0  # excluded from the RSS slope and the TTFT thirds
+    window_s: float = 30.0
+    sample_every_s: float = 2.0
+    concurrency: int = 4
+    think_s: float = 0.1  # a normal client's mean pause between requests
+    bad_every_s: float = 1.0
+    disconnect_every_s: float = 2.0
+    slow_every_s: float = 10.0
+    slow_s: float = 15.0
+    burst_every_s: float = 30.0
+    burst: int = 48
+    max_rss_mib_per_min: float = 1.0
+    max_ttft_growth: float = 1.2
+    timeout_s: float = 120.0  # per request
+    seed: int = 0
+
+
+@dataclass
+class Event:
+    """One request as the client saw it."""
+
+    t: float  # sent, seconds since the load began
+    kind: str  # normal, bad, disconnect, slow or burst
+    status: int | None = None  # HTTP status; None: no answer
+    error: str | None = None  # an error event in a stream, or a client-side failure
+    ttft: float | None = None  # seconds, normal streamed requests only
+
+    @property
+    def is_5xx(self) -> bool:
+        return (self.status or 0) >= 500 or (self.error or "").startswith("stream error")
+
+    @property
+    def unexpected(self) -> bool:
+        if self.is_5xx:
+            return True
+        if self.kind == "bad":
+            return self.status is None or not 400 <= self.status < 500
+        if self.kind in ("normal", "burst"):
+            return self.status not in (200, 429) or self.error is not None
+        return self.status not in (200, 429)  # a dropped or slow stream: cut is fine
+
+
+@dataclass(frozen=True)
+class Sample:
+    """The server process and its engine at one moment."""
+
+    t: float
+    rss_mib: float
+    fds: int
+    threads: int
+    pages_used: float | None = None  # KV pages held by requests (None: /metrics unread)
+    running: float | None = None
+    waiting: float | None = None
+
+
+# ---------------------------------------------------------------- pure parts
+
+
+def slope_per_minute(points: list[tuple[float, float]]) -> float | None:
+    """Least-squares slope of (seconds, value) points, in value per minute."""
+    if len(points) < 2 or len({t for t, _ in points}) < 2:
+        return None
+    t, v = np.array(points, dtype=float).T
+    return float(np.polyfit(t, v, 1)[0] * 60)
+
+
+def p99(values: list[float]) -> float | None:
+    return float(np.percentile(values, 99)) if values else None
+
+
+def windows(events: list[Event], samples: list[Sample], width_s: float,
+            duration_s: float) -> list[dict]:
+    """Per window [start, start + width_s) of the load: answers by outcome, TTFT p50/p99
+    (ms) and the last RSS, most fds, threads and pages in use sampled in it."""
+    rows = []
+    for i in range(max(1, int(np.ceil(duration_s / width_s)))):
+        lo, hi = i * width_s, min((i + 1) * width_s, duration_s)
+        sent = [e for e in events if lo <= e.t < hi]
+        seen = [s for s in samples if lo <= s.t < hi]
+        ttft = [e.ttft * 1e3 for e in sent if e.ttft is not None]
+        rows.append({
+            "start_s": lo,
+            "end_s": hi,
+            "sent": len(sent),
+            "ok": sum(e.status == 200 and e.error is None for e in sent),
+            "429": sum(e.status == 429 for e in sent),
+            "4xx": sum(e.status is not None and 400 <= e.status < 500 and e.status != 429
+                       for e in sent),
+            "5xx": sum(e.is_5xx for e in sent),
+            "unexpected": sum(e.unexpected for e in sent),
+            "ttft_p50_ms": float(np.percentile(ttft, 50)) if ttft else None,
+            "ttft_p99_ms": p99(ttft),
+            "rss_mib": seen[-1].rss_mib if seen else None,
+            "fds": max((s.fds for s in seen), default=None),
+            "threads": max((s.threads for s in seen), default=None),
+            "pages_used": max((s.pages_used for s in seen if s.pages_used is not None),
+                              default=None),
+        })
+    return rows
+
+
+def ttft_thirds(events: list[Event], warmup_s: float, duration_s: float, period_s: float
+                ) -> tuple[float | None, float | None]:
+    """TTFT p99 (ms) of the requests sent in the first and the last third past warm-up,
+    each a whole number of `period_s` (the bursts'), so that both hold as many bursts."""
+    third = (duration_s - warmup_s) / 3
+    if period_s <= third:
+        third = period_s * (third // period_s)
+    early = [e.ttft * 1e3 for e in events
+             if e.ttft is not None and warmup_s <= e.t < warmup_s + third]
+    late = [e.ttft * 1e3 for e in events
+            if e.ttft is not None and duration_s - third <= e.t < duration_s]
+    return p99(early), p99(late)
+
+
+def checks(mix: Mix, events: list[Event], samples: list[Sample], idle: Sample,
+           final: Sample) -> dict[str, dict]:
+    """Each acceptance check: its figures and whether it passed."""
+    loaded = [(s.t, s.rss_mib) for s in samples if mix.warmup_s <= s.t <= mix.duration_s]
+    slope = slope_per_minute(loaded)
+    early, late = ttft_thirds(events, mix.warmup_s, mix.duration_s, mix.burst_every_s)
+    unexpected = [e for e in events if e.unexpected]
+    return {
+        "rss": {"mib_per_min": slope, "limit": mix.max_rss_mib_per_min,
+                "ok": slope is not None and slope < mix.max_rss_mib_per_min},
+        "fds": {"idle": idle.fds, "final": final.fds, "ok": final.fds <= idle.fds},
+        "threads": {"idle": idle.threads, "final": final.threads,
+                    "ok": final.threads <= idle.threads},
+        "unexpected": {
+            "count": len(unexpected), "5xx": sum(e.is_5xx for e in events),
+            "first": [asdict(e) for e in unexpected[:10]], "ok": not unexpected,
+        },
+        "ttft": {"early_p99_ms": early, "late_p99_ms": late, "limit": mix.max_ttft_growth,
+                 "ratio": late / early if early and late is not None else None,
+                 "ok": bool(early and late is not None and late <= mix.max_ttft_growth * early)},
+    }
+
+
+# ---------------------------------------------------------------- the server, watched
+
+
+def process_sample(pid: int, t: float) -> Sample:
+    """RSS, open fds and threads of process `pid` now (Linux /proc)."""
+    status = dict(
+        line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines()
+    )
+    rss_kib = int(status["VmRSS"].split()[0])
+    return Sample(t, rss_kib / 1024, len(os.listdir(f"/proc/{pid}/fd")),
+                  int(status["Threads"]))
+
+
+async def engine_sample(session: aiohttp.ClientSession, url: str, sample: Sample) -> Sample:
+    """`sample` with the engine's KV pages in use, running and waiting (from /metrics)."""
+    async with session.get(url + "/metrics") as resp:
+        text = await resp.text()
+    m = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            m[name] = float(value)
+    used = m["jaxserve:kv_pages_total"] - m["jaxserve:kv_pages_free"] - m.get(
+        "jaxserve:kv_pages_cached", 0.0)
+    return Sample(sample.t, sample.rss_mib, sample.fds, sample.threads, used,
+                  m["jaxserve:num_requests_running"], m["jaxserve:num_requests_waiting"])
+
+
+# ---------------------------------------------------------------- the load
+
+
+@dataclass
+class Load:
+    """The soak's client: one session, its events, and when to stop."""
+
+    url: str
+    model: str
+    mix: Mix
+    session: aiohttp.ClientSession
+    headers: dict
+    t0: float = field(default_factory=time.monotonic)
+    events: list[Event] = field(default_factory=list)
+    rng: random.Random = field(default_factory=random.Random)
+
+    def now(self) -> float:
+        return time.monotonic() - self.t0
+
+    def over(self) -> bool:
+        return self.now() >= self.mix.duration_s
+
+    def event(self, kind: str) -> Event:
+        self.events.append(Event(self.now(), kind))
+        return self.events[-1]
+
+    def prompt(self) -> str:
+        return " ".join(self.rng.choice(WORDS) for _ in range(self.rng.randint(4, 48)))
+
+    def body(self, chat: bool, stream: bool, max_tokens: int) -> dict:
+        body = {"model": self.model, "max_tokens": max_tokens, "stream": stream,
+                "ignore_eos": True}
+        if chat:
+            return {**body, "messages": [{"role": "user", "content": self.prompt()}]}
+        return {**body, "prompt": self.prompt()}
+
+    async def post(self, event: Event, path: str, body: dict | bytes,
+                   read_chunks: int | None = None) -> None:
+        """Send one request and record its outcome in `event`; read a stream to its end,
+        or drop it after `read_chunks` chunks."""
+        kwargs = {"data": body} if isinstance(body, bytes) else {"json": body}
+        try:
+            async with self.session.post(self.url + path, headers=self.headers,
+                                         **kwargs) as resp:
+                event.status = resp.status
+                if resp.status != 200 or resp.content_type != "text/event-stream":
+                    await resp.read()
+                    return
+                chunks = 0
+                async for raw in resp.content:
+                    if not raw.startswith(b"data: ") or raw.startswith(b"data: [DONE]"):
+                        continue
+                    chunk = json.loads(raw[6:])
+                    if "error" in chunk:
+                        event.error = f"stream error: {str(chunk['error'])[:200]}"
+                        return
+                    choices = chunk.get("choices") or [{}]
+                    text = choices[0].get("text") or (choices[0].get("delta") or {}).get(
+                        "content")
+                    if text and event.ttft is None and event.kind == "normal":
+                        event.ttft = self.now() - event.t
+                    chunks += 1
+                    if read_chunks is not None and chunks >= read_chunks:
+                        resp.close()  # the client goes away mid-stream
+                        return
+        except (aiohttp.ClientError, TimeoutError, ValueError) as e:
+            event.error = f"{type(e).__name__}: {e}"[:200]
+
+    async def normal(self, index: int) -> None:
+        """A closed-loop client: each request streamed or whole, completions or chat."""
+        turn = index
+        while not self.over():
+            chat, stream = bool(turn & 1), bool(turn & 2)
+            body = self.body(chat, stream, self.rng.randint(4, 32))
+            path = "/v1/chat/completions" if chat else "/v1/completions"
+            await self.post(self.event("normal"), path, body)
+            turn += 1
+            await asyncio.sleep(self.rng.uniform(0, 2 * self.mix.think_s))
+
+    async def every(self, period_s: float, send) -> None:
+        """Start `send()` every `period_s` seconds until the end; wait for all of them."""
+        tasks = []
+        while not self.over():
+            tasks.append(asyncio.create_task(send()))
+            await asyncio.sleep(period_s)
+        await asyncio.gather(*tasks)
+
+    def bad_inputs(self) -> list[tuple[str, dict | bytes]]:
+        """(path, body) of requests the server must refuse with a 4xx."""
+        c, chat = "/v1/completions", "/v1/chat/completions"
+        return [
+            (c, b'{"prompt": "hi", "max_tokens": '),
+            (c, {"model": self.model, "prompt": "hi", "n": "two"}),
+            (c, {"model": self.model, "prompt": "hi", "max_tokens": -1}),
+            (c, {"model": "no-such-model", "prompt": "hi"}),
+            (chat, {"model": self.model, "messages": []}),
+            (c, {"model": self.model, "prompt": "word " * 20_000, "max_tokens": 4}),
+        ]
+
+    async def bad(self) -> None:
+        path, body = self.rng.choice(self.bad_inputs())
+        await self.post(self.event("bad"), path, body)
+
+    async def disconnect(self) -> None:
+        body = {**self.body(False, True, 400), "ignore_eos": True}
+        await self.post(self.event("disconnect"), "/v1/completions", body, read_chunks=2)
+
+    async def burst(self) -> None:
+        await asyncio.gather(*(
+            self.post(self.event("burst"), "/v1/completions", self.body(False, False, 16))
+            for _ in range(self.mix.burst)
+        ))
+
+    async def slow(self) -> None:
+        """A stream read a little at a time through a small receive buffer, then dropped."""
+        event = self.event("slow")
+        parts = urlsplit(self.url)
+        payload = json.dumps(self.body(False, True, 400)).encode()
+        head = (f"POST /v1/completions HTTP/1.1\r\nHost: {parts.netloc}\r\n"
+                f"Connection: close\r\nContent-Type: application/json\r\n"
+                f"Content-Length: {len(payload)}\r\n")
+        head += "".join(f"{k}: {v}\r\n" for k, v in self.headers.items())
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.setblocking(False)
+        writer = None
+        try:
+            await asyncio.get_running_loop().sock_connect(sock, (parts.hostname, parts.port))
+            reader, writer = await asyncio.open_connection(sock=sock, limit=1024)
+            writer.write(head.encode() + b"\r\n" + payload)
+            status_line = await asyncio.wait_for(reader.readline(), self.mix.timeout_s)
+            event.status = int(status_line.split()[1]) if status_line else None
+            seen = b""
+            deadline = time.monotonic() + self.mix.slow_s
+            while (left := deadline - time.monotonic()) > 0:
+                try:
+                    data = await asyncio.wait_for(reader.read(256), left)
+                except TimeoutError:
+                    break  # nothing came for the rest of its time: a stalled stream, dropped
+                if not data:
+                    break  # the server cut it, or the answer ended
+                seen = (seen + data)[-512:]
+                if b'data: {"error"' in seen:
+                    event.error = "stream error event"
+                await asyncio.sleep(0.2)
+        except (OSError, TimeoutError, ValueError, IndexError) as e:
+            event.error = event.error or f"{type(e).__name__}: {e}"[:200]
+        finally:
+            if writer is not None:
+                writer.close()
+            else:
+                sock.close()
+
+
+async def _watch(load: Load, pid: int, samples: list[Sample], metrics: aiohttp.ClientSession
+                 ) -> None:
+    while not load.over():
+        sample = process_sample(pid, load.now())  # before the scrape's own socket opens
+        try:
+            sample = await engine_sample(metrics, load.url, sample)
+        except (aiohttp.ClientError, TimeoutError, KeyError, ValueError):
+            pass  # a sample without the engine's figures
+        samples.append(sample)
+        await asyncio.sleep(load.mix.sample_every_s)
+
+
+async def _first_model(url: str, headers: dict) -> str:
+    async with aiohttp.ClientSession(headers=headers) as s, s.get(url + "/v1/models") as resp:
+        resp.raise_for_status()
+        return (await resp.json())["data"][0]["id"]
+
+
+async def soak(url: str, pid: int, mix: Mix, api_key: str | None = None,
+               progress: bool = True) -> dict:
+    """Run the mixed load for `mix.duration_s` on the server at `url` (process `pid`);
+    the report: samples, windows, idle and final counts, checks."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    model = await _first_model(url, headers)
+    await asyncio.sleep(1.0)  # the server closes that connection
+    idle = process_sample(pid, 0.0)
+    samples: list[Sample] = []
+    timeout = aiohttp.ClientTimeout(total=mix.timeout_s)
+    closing = aiohttp.TCPConnector(force_close=True)  # /metrics leaves no connection open
+    async with (
+        aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session,
+        aiohttp.ClientSession(timeout=timeout, connector=closing) as metrics,
+    ):
+        load = Load(url, model, mix, session, headers, rng=random.Random(mix.seed))
+        reporter = asyncio.create_task(_report_progress(load, samples)) if progress else None
+        await asyncio.gather(
+            _watch(load, pid, samples, metrics),
+            *(load.normal(i) for i in range(mix.concurrency)),
+            load.every(mix.bad_every_s, load.bad),
+            load.every(mix.disconnect_every_s, load.disconnect),
+            load.every(mix.slow_every_s, load.slow),
+            load.every(mix.burst_every_s, load.burst),
+        )
+        if reporter is not None:
+            reporter.cancel()
+        ended = load.now()
+    final = process_sample(pid, ended)
+    deadline = time.monotonic() + SETTLE_S
+    while (final.fds > idle.fds or final.threads > idle.threads) and time.monotonic() < deadline:
+        await asyncio.sleep(0.5)
+        final = process_sample(pid, load.now())
+    return {
+        "url": url,
+        "model": model,
+        "mix": asdict(mix),
+        "idle": asdict(idle),
+        "final": asdict(final),
+        "load_ended_s": ended,
+        "settled_s": final.t - ended,
+        "counts": dict(Counter(f"{e.kind} {e.status}" for e in load.events)),
+        "windows": windows(load.events, samples, mix.window_s, mix.duration_s),
+        "checks": checks(mix, load.events, samples, idle, final),
+        "samples": [asdict(s) for s in samples],
+    }
+
+
+async def _report_progress(load: Load, samples: list[Sample]) -> None:
+    while True:
+        await asyncio.sleep(30)
+        s = samples[-1] if samples else None
+        state = "" if s is None else (f"; RSS {s.rss_mib:.1f} MiB, {s.fds} fds, "
+                                      f"{s.threads} threads, {fmt(s.pages_used, 0)} pages")
+        print(f"{load.now():.0f}/{load.mix.duration_s:.0f} s: {len(load.events)} requests"
+              f"{state}", file=sys.stderr, flush=True)
+
+
+# ---------------------------------------------------------------- output
+
+
+def markdown(report: dict) -> str:
+    """The windows table and the checks, as printed and written beside the JSON."""
+    rows = [
+        [f"{w['start_s']:.0f}-{w['end_s']:.0f}", w["sent"], w["ok"], w["429"], w["4xx"],
+         w["5xx"], w["unexpected"], fmt(w["ttft_p50_ms"], 0), fmt(w["ttft_p99_ms"], 0),
+         fmt(w["rss_mib"]), w["fds"], w["threads"], fmt(w["pages_used"], 0)]
+        for w in report["windows"]
+    ]
+    c = report["checks"]
+    verdict = [
+        ["RSS slope past warm-up", f"{fmt(c['rss']['mib_per_min'], 3)} MiB/min",
+         f"< {c['rss']['limit']:g}", c["rss"]["ok"]],
+        ["fds idle → final", f"{c['fds']['idle']} → {c['fds']['final']}", "≤ idle",
+         c["fds"]["ok"]],
+        ["threads idle → final", f"{c['threads']['idle']} → {c['threads']['final']}",
+         "≤ idle", c["threads"]["ok"]],
+        ["unexpected answers (5xx)", f"{c['unexpected']['count']} ({c['unexpected']['5xx']})",
+         "0", c["unexpected"]["ok"]],
+        ["TTFT p99 late ÷ early",
+         f"{fmt(c['ttft']['late_p99_ms'], 0)} ÷ {fmt(c['ttft']['early_p99_ms'], 0)} ms = "
+         f"{fmt(c['ttft']['ratio'], 2)}", f"≤ {c['ttft']['limit']:g}", c["ttft"]["ok"]],
+    ]
+    return "\n\n".join([
+        f"`{report.get('command', '')}` on {report.get('cpu', {}).get('model')}",
+        markdown_table(["window s", "sent", "200", "429", "4xx", "5xx", "unexpected",
+                        "TTFT p50 ms", "TTFT p99 ms", "RSS MiB", "fds", "threads",
+                        "pages used"], rows),
+        markdown_table(["check", "measured", "limit", "passed"],
+                       [[*row[:3], "yes" if row[3] else "NO"] for row in verdict]),
+    ])
+
+
+def plot(report: dict, path: Path) -> str | None:
+    """RSS, fds and threads, pages in use and TTFT over time, one panel each."""
+    plt = pyplot()
+    if plt is None:
+        return None
+    samples, mix = report["samples"], report["mix"]
+    t = [s["t"] for s in samples]
+    fig, axes = plt.subplots(4, 1, figsize=(9, 10), sharex=True)
+    axes[0].plot(t, [s["rss_mib"] for s in samples])
+    loaded = [(s["t"], s["rss_mib"]) for s in samples
+              if mix["warmup_s"] <= s["t"] <= mix["duration_s"]]
+    if len(loaded) >= 2:
+        lt, rss = np.array(loaded).T
+        axes[0].plot(lt, np.polyval(np.polyfit(lt, rss, 1), lt), "--", label="fit past warm-up")
+        axes[0].legend()
+    axes[0].set(ylabel="RSS MiB")
+    axes[1].plot(t, [s["fds"] for s in samples], label="open fds")
+    axes[1].plot(t, [s["threads"] for s in samples], label="threads")
+    axes[1].legend()
+    axes[2].plot(t, [s["pages_used"] for s in samples], label="KV pages in use")
+    axes[2].plot(t, [s["running"] for s in samples], label="running")
+    axes[2].plot(t, [s["waiting"] for s in samples], label="waiting")
+    axes[2].legend()
+    mid = [(w["start_s"] + w["end_s"]) / 2 for w in report["windows"]]
+    for key in ("ttft_p50_ms", "ttft_p99_ms"):
+        axes[3].plot(mid, [w[key] for w in report["windows"]], marker="o",
+                     label=key[:-3].replace("ttft_", "TTFT "))
+    axes[3].set(ylabel="TTFT ms", xlabel="s since the load began")
+    axes[3].legend()
+    for ax in axes:
+        ax.axvline(mix["warmup_s"], color="grey", linestyle=":")
+        ax.grid(alpha=0.3)
+    axes[0].set_title(f"soak: {report['model']}, {mix['duration_s']:.0f} s (dotted: warm-up)")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return str(path)
+
+
+def run(url: str, pid: int, mix: Mix, out: Path | None = None, api_key: str | None = None,
+        command: str = "", progress: bool = True) -> dict:
+    """Soak the server, then write `out` (JSON), its .md and .png beside it, if given."""
+    report = {"command": command, "cpu": cpu_description(),
+              **asyncio.run(soak(url, pid, mix, api_key, progress))}
+    report["passed"] = all(c["ok"] for c in report["checks"].values())
+    if out is not None:
+        report["plot"] = plot(report, out.with_suffix(".png"))
+        write_json(out, report)
+        out.with_suffix(".md").write_text(markdown(report) + "\n")
+    return report
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--url", help="a live server (with --pid); default: start one")
+    parser.add_argument("--pid", type=int, help="the live server's process id")
+    parser.add_argument("--model", type=Path, default=GGUF, help="to start a server on")
+    parser.add_argument("--server-args", default=SERVER_ARGS, help="flags of the server started")
+    parser.add_argument("--api-key")
+    defaults = Mix()
+    for name, value in asdict(defaults).items():
+        flag = "--" + name.removesuffix("_s").replace("_", "-")
+        parser.add_argument(flag, dest=name, type=type(value), default=value,
+                            help="default: %(default)s")
+    parser.add_argument("--out", type=Path, default=RESULTS / "soak.json")
+    args = parser.parse_args()
+    mix = Mix(**{k: getattr(args, k) for k in asdict(defaults)})
+    command = "bench/soak.py " + shlex.join(sys.argv[1:])
+    if args.url:
+        if args.pid is None:
+            parser.error("--url needs --pid (the soak reads the process's RSS, fds, threads)")
+        report = run(args.url, args.pid, mix, args.out, args.api_key, command)
+    else:
+        port = free_port()
+        url = f"http://127.0.0.1:{port}"
+        cmd = [sys.executable, "-m", "jaxserve.cli", "serve", "--model", str(args.model),
+               "--port", str(port), "--compilation-cache-dir", str(ROOT / ".cache" / "jax"),
+               *shlex.split(args.server_args)]
+        if args.api_key:
+            cmd += ["--api-key", args.api_key]
+        log = ROOT / ".cache" / "soak-server.log"
+        with server_process(cmd, url + "/health", log, cwd=ROOT) as proc:
+            report = run(url, proc.pid, mix, args.out, args.api_key, command)
+    print(markdown(report))
+    print(f"wrote {args.out}")
+    if not report["passed"]:
+        raise SystemExit(1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,86 @@
+"""bench/soak.py: its pure parts (slope, windows, thirds, outcomes), and a 5-minute soak
+of a live server on the tiny model (slow) that must pass every acceptance check."""
+
+import json
+import sys
+
+import pytest
+from serving import ROOT, running_server
+
+sys.path.insert(0, str(ROOT / "bench"))
+import soak
+from soak import Event, Mix, Sample
+
+FLAGS = ["--max-batch", "8", "--token-budget", "64", "--num-pages", "512", "--max-model-len",
+         "512", "--max-queue", "16"]
+
+
+def test_slope_is_per_minute_and_needs_two_times():
+    assert soak.slope_per_minute([(0, 100.0), (30, 100.5), (60, 101.0)]) == pytest.approx(1.0)
+    assert soak.slope_per_minute([(t, 7.0) for t in range(10)]) == pytest.approx(0.0)
+    assert soak.slope_per_minute([(5, 1.0)]) is None
+    assert soak.slope_per_minute([(5, 1.0), (5, 2.0)]) is None
+
+
+def test_windows_split_events_and_samples_by_time():
+    events = [Event(1, "normal", 200, ttft=0.1), Event(2, "normal", 429),
+              Event(11, "bad", 400), Event(12, "burst", 503), Event(25, "normal", 200, ttft=0.3)]
+    samples = [Sample(0, 100.0, 20, 9, 0), Sample(5, 101.0, 30, 9, 12),
+               Sample(15, 102.0, 25, 10, 4)]
+    rows = soak.windows(events, samples, 10, 25)
+    assert [(r["start_s"], r["end_s"]) for r in rows] == [(0, 10), (10, 20), (20, 25)]
+    assert [(r["sent"], r["ok"], r["429"], r["4xx"], r["5xx"]) for r in rows] == [
+        (2, 1, 1, 0, 0), (2, 0, 0, 1, 1), (0, 0, 0, 0, 0)]  # the last event is past the end
+    assert rows[0]["ttft_p99_ms"] == pytest.approx(100)
+    assert (rows[0]["rss_mib"], rows[0]["fds"], rows[0]["pages_used"]) == (101.0, 30, 12)
+    assert rows[2]["rss_mib"] is None and rows[2]["ttft_p99_ms"] is None
+
+
+def test_ttft_thirds_leave_out_the_warmup_and_the_middle():
+    events = [Event(t, "normal", 200, ttft=ms / 1e3) for t, ms in
+              [(5, 900), (11, 100), (19, 100), (25, 500), (35, 120), (39, 130)]]
+    assert soak.ttft_thirds(events, 10, 40, 60) == (pytest.approx(100), pytest.approx(129.9))
+    # thirds of 10 s cut to 8 s, 2 burst periods: 19 s and 31 s fall in the middle
+    events += [Event(31, "normal", 200, ttft=0.9)]
+    assert soak.ttft_thirds(events, 10, 40, 4) == (pytest.approx(100), pytest.approx(129.9))
+
+
+def test_which_outcomes_are_unexpected():
+    assert not Event(0, "normal", 429).unexpected
+    assert Event(0, "normal", 200, error="ClientPayloadError: cut").unexpected
+    assert Event(0, "normal", 200, error="stream error: {}").is_5xx
+    assert not Event(0, "bad", 404).unexpected
+    assert Event(0, "bad", 200).unexpected  # a bad input accepted
+    assert Event(0, "bad", 500).unexpected
+    assert not Event(0, "slow", 200, error="ConnectionResetError").unexpected  # cut: fine
+    assert Event(0, "disconnect", None, error="ClientConnectorError").unexpected
+
+
+def test_checks_pass_and_fail_on_their_limits():
+    mix = Mix(duration_s=40, warmup_s=10)
+    steady = [Sample(t, 100.0 + t / 600, 20, 9) for t in range(0, 41, 2)]  # 0.1 MiB/min
+    events = [Event(t, "normal", 200, ttft=0.1) for t in range(10, 40)]
+    idle = Sample(0, 100.0, 20, 9)
+    good = soak.checks(mix, events, steady, idle, Sample(45, 100.1, 20, 9))
+    assert all(c["ok"] for c in good.values()), good
+    growing = [Sample(t, 100.0 + t / 20, 20, 9) for t in range(0, 41, 2)]  # 3 MiB/min
+    slow_late = [*events, *(Event(t, "normal", 200, ttft=0.5) for t in range(31, 40))]
+    bad = soak.checks(mix, [*slow_late, Event(20, "burst", 500)], growing, idle,
+                      Sample(45, 110.0, 23, 10))
+    assert not any(c["ok"] for c in bad.values()), bad
+    assert bad["rss"]["mib_per_min"] == pytest.approx(3.0)
+
+
+@pytest.mark.slow
+def test_five_minutes_of_mixed_load_leave_nothing_behind(tiny_model, tmp_path):
+    with running_server(tiny_model, *FLAGS) as (url, proc):
+        report = soak.run(url, proc.pid, Mix(duration_s=300), tmp_path / "soak.json",
+                          command="tests/test_soak.py", progress=False)
+    print("\n" + soak.markdown(report))
+    counts = report["counts"]
+    for kind in ("normal 200", "bad 400", "bad 404", "disconnect 200", "slow 200", "burst 429"):
+        assert counts.get(kind), (kind, counts)  # every part of the mix ran
+    assert all(c["ok"] for c in report["checks"].values()), report["checks"]
+    saved = json.loads((tmp_path / "soak.json").read_text())
+    assert saved["passed"] and saved["samples"] and saved["cpu"]["model"]
+    assert (tmp_path / "soak.png").stat().st_size > 0 and (tmp_path / "soak.md").exists()
