@@ -304,6 +304,10 @@ def test_two_serve_processes_answer_through_process_0_as_one_process_does(tmp_pa
     try:
         with running_server(model, *flags, "--process-id", "0", env=env) as (url, leader):
             got = asyncio.run(_complete_all(url, prompts, params.max_tokens))
+            # one row sampling among greedy ones: the shards' steps take different paths
+            # unless every branch is chosen for the whole mesh (a hang in gloo once)
+            mixed = asyncio.run(_complete_all(url, prompts, params.max_tokens,
+                                              [0.9] + [0.0] * (len(prompts) - 1)))
             metrics = urllib.request.urlopen(url + "/metrics", timeout=30).read().decode()
         assert leader.returncode == 0  # SIGTERM: drained, followers released
         assert follower.wait(timeout=60) == 0, log1.read_text()[-3000:]
@@ -311,6 +315,7 @@ def test_two_serve_processes_answer_through_process_0_as_one_process_does(tmp_pa
         if follower.poll() is None:
             follower.kill()
     assert got == want
+    assert mixed[1:] == want[1:] and mixed[0]
     assert "jaxserve:compiles_after_warmup_total 0.0" in metrics
     assert "process 0 sent STOP" in log1.read_text()
 
@@ -366,19 +371,22 @@ def test_a_lost_process_ends_process_0_with_a_clear_error_not_a_hang(tmp_path):
     assert "another task died" in log0
 
 
-async def _complete_all(url: str, prompts: list[list[int]], max_tokens: int) -> list[str]:
-    """Greedy completions of every prompt, all in flight at once (both data shards busy)."""
+async def _complete_all(url: str, prompts: list[list[int]], max_tokens: int,
+                        temperatures: list[float] | None = None) -> list[str]:
+    """Completions of every prompt (greedy unless `temperatures` say), all in flight at
+    once (both data shards busy)."""
     import aiohttp
 
-    async def one(session, prompt):
+    async def one(session, prompt, temperature):
         body = {"model": "model", "prompt": prompt, "max_tokens": max_tokens,
-                "temperature": 0, "ignore_eos": True}
+                "temperature": temperature, "seed": 1, "ignore_eos": True}
         async with session.post(url + "/v1/completions", json=body) as resp:
             assert resp.status == 200, await resp.text()
             return (await resp.json())["choices"][0]["text"]
 
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as session:
-        return await asyncio.gather(*(one(session, p) for p in prompts))
+        temperatures = temperatures or [0.0] * len(prompts)
+        return await asyncio.gather(*(one(session, p, t) for p, t in zip(prompts, temperatures)))
 
 
 # ---------------------------------------------------------------- the subprocess side

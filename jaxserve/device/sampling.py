@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxserve.config import MAX_LOGPROBS
+from jaxserve.device.sharding import on_any_shard
 
 
 @jax.tree_util.register_dataclass
@@ -95,12 +96,12 @@ def apply_logit_bias(logits: jax.Array, params: SamplingTensors) -> jax.Array:
 
 
 def any_logit_bias(params: SamplingTensors) -> jax.Array:  # bool[]
-    return jnp.any(params.bias_values != 0)
+    return on_any_shard(jnp.any(params.bias_values != 0))
 
 
 def any_penalty(params: SamplingTensors) -> jax.Array:  # bool[]
     """Whether some row of the step has a penalty (else the records need not be touched)."""
-    return (
+    return on_any_shard(
         jnp.any(params.repetition_penalty != 1)
         | jnp.any(params.frequency_penalty != 0)
         | jnp.any(params.presence_penalty != 0)
@@ -134,7 +135,8 @@ def sample(
     """
     greedy = argmax(logits)
     drawn = jax.lax.cond(
-        jnp.any(params.temperature > 0), _draw, lambda _, __: greedy, logits, params
+        on_any_shard(jnp.any(params.temperature > 0)), _draw, lambda _, __: greedy, logits,
+        params,
     )
     return jnp.where(params.temperature > 0, drawn, greedy)
 
@@ -165,7 +167,7 @@ def _draw(logits: jax.Array, params: SamplingTensors) -> jax.Array:
     scaled = logits / temperature[:, None]
     filters = jnp.any((params.top_k > 0) & (params.top_k < vocab)) | jnp.any(params.top_p < 1)
     keep = jax.lax.cond(
-        filters,
+        on_any_shard(filters),
         _top_k_top_p_keep,
         lambda scaled, _: jnp.ones(scaled.shape, bool),
         scaled,
@@ -245,7 +247,7 @@ def token_logprobs(
         zeros = jnp.zeros((logits.shape[0], MAX_LOGPROBS))
         return zeros, zeros.astype(jnp.int32)
 
-    top_values, top_ids = jax.lax.cond(alternatives, best, none, logits)
+    top_values, top_ids = jax.lax.cond(on_any_shard(alternatives), best, none, logits)
     return chosen, top_ids.astype(jnp.int32), top_values
 
 

@@ -40,6 +40,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
@@ -58,6 +59,18 @@ RULES: dict[str, str] = {
 }
 
 KV_AXES = ("layers", "kv_heads", "pages", "page_slots", "head_dim")
+
+
+def on_any_shard(flag: jax.Array) -> jax.Array:  # bool[]
+    """`flag` or'ed over the data shards where the step runs per shard (under shard_map
+    over "data"), else `flag` itself. Every `lax.cond` of the step branches on this, so
+    all devices take the same branch and the model axis's collectives inside it meet: a
+    branch that one data shard took alone hung a two-process mesh (each process waiting
+    in gloo for the other)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if DATA in mesh.axis_names and DATA in mesh.manual_axes:
+        return jax.lax.psum(flag.astype(jnp.int32), DATA) > 0
+    return flag
 
 
 def make_mesh(tp: int = 1, dp: int = 1, devices: Sequence[jax.Device] | None = None) -> Mesh:

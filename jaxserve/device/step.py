@@ -36,7 +36,7 @@ from jaxserve.device.sampling import (
     sample,
     token_logprobs,
 )
-from jaxserve.device.sharding import DATA, Layout
+from jaxserve.device.sharding import DATA, Layout, on_any_shard
 
 
 @jax.tree_util.register_dataclass
@@ -135,7 +135,8 @@ def _results(logits: jax.Array, tokens: jax.Array, logprobs: jax.Array) -> jax.A
         return jnp.zeros(num_rows), zeros.astype(jnp.int32), zeros
 
     chosen, top_ids, top_logprobs = jax.lax.cond(
-        jnp.any(logprobs >= 0), token_logprobs, skip, logits, tokens, jnp.any(logprobs > 0)
+        on_any_shard(jnp.any(logprobs >= 0)), token_logprobs, skip, logits, tokens,
+        jnp.any(logprobs > 0),
     )
     # ids < 2**24 are exact in f32, so one array carries everything back
     return jnp.concatenate(
