@@ -37,7 +37,7 @@ class QueueStats:
     tenant_must_wait: int  # of them, the asking tenant's
     shared: bool  # another tenant has a live request
     admission_rate: float  # admissions a second: measured, else estimated from the warm-up
-    free_rows: int  # rows the next step could still give new requests
+    free_rows: int  # rows the next step could still give the asking tenant's new requests
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,7 +132,7 @@ class EngineClient:
     # ---------------------------------------------------------------- admission, gauges
 
     def queue_stats(self, tenant: str) -> QueueStats:
-        waiting, free_rows = self._engine.must_wait()
+        waiting, free_rows = self._engine.must_wait(tenant)
         live = list(self._engine.requests.values())
         return QueueStats(
             len(waiting),

@@ -347,10 +347,10 @@ class Engine:
         """Requests not yet admitted: queued in the scheduler or not yet taken in."""
         return list(self.scheduler.waiting) + list(self._inbox)
 
-    def must_wait(self) -> tuple[list[Request], int]:
+    def must_wait(self, tenant: str) -> tuple[list[Request], int]:
         """The waiting requests that the next step cannot admit (past the free rows or
-        pages, or of a tenant at its row cap), and the rows it could still give new ones
-        (read from another thread: an estimate)."""
+        pages, or of a tenant at its row cap), and the rows it could still give new
+        requests of `tenant`, within its cap (read from another thread: an estimate)."""
         scheduler = self.scheduler
         rows = sum(len(free) for free in scheduler.free_rows)
         pages = scheduler.num_pages_free + scheduler.num_pages_cached
@@ -363,7 +363,7 @@ class Engine:
                 held[request.tenant] = held.get(request.tenant, 0) + 1
             else:
                 waiting.append(request)
-        return waiting, rows
+        return waiting, max(0, min(rows, cap - held.get(tenant, 0)))
 
     def live_requests(self) -> list[LiveRequest]:
         now = time.monotonic()
