@@ -71,7 +71,13 @@ def test_checks_pass_and_fail_on_their_limits():
     assert bad["rss"]["mib_per_min"] == pytest.approx(3.0)
 
 
+# Out of the default run (`-m soak` runs it): its TTFT p99 check is flaky at this run's
+# length. Alone on a quiet machine, late ÷ early p99 came out 0.93, 0.11, 0.73 and 1.93
+# (26 ÷ 13 ms: one scheduling hiccup doubles a p99 of ~15 ms), and RSS slopes of -1.1 to
+# 1.3 MiB/min against a limit of 1. A red CI on noise helps no one; the 60-minute run
+# (bench/results/soak.md) is where these checks hold.
 @pytest.mark.slow
+@pytest.mark.soak
 def test_five_minutes_of_mixed_load_leave_nothing_behind(tiny_model, tmp_path):
     with running_server(tiny_model, *FLAGS) as (url, proc):
         report = soak.run(url, proc.pid, Mix(duration_s=300), tmp_path / "soak.json",
