@@ -7,7 +7,7 @@ import sys
 import time
 from pathlib import Path
 
-from jaxserve.config import ATTENTION_BACKENDS, EngineConfig
+from jaxserve.config import ATTENTION_BACKENDS, DTYPES, EngineConfig
 from jaxserve.host.buckets import BucketTable
 
 # the engine flags' defaults are EngineConfig's: one default per setting
@@ -150,7 +150,10 @@ def _engine_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--token-budget", type=int, default=DEFAULTS["token_budget"],
                        help="tokens per step")
     group.add_argument("--max-model-len", type=int)
-    group.add_argument("--dtype", default=DEFAULTS["dtype"])
+    group.add_argument(
+        "--dtype", default=DEFAULTS["dtype"], choices=DTYPES,
+        help="weights and activations; auto: float32 on CPU (faster there), bfloat16 on GPU",
+    )
     group.add_argument("--attention-backend", choices=ATTENTION_BACKENDS)
     group.add_argument("--tpot-slo-ms", type=float, help="cap the batch so steps stay under 60%%")
     group.add_argument(

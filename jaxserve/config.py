@@ -47,6 +47,9 @@ class ModelConfig:
 MAX_LOGPROBS = 20  # alternatives per token, as the OpenAI API allows
 # logit_bias entries a request may carry: every step carries a table this wide per row
 MAX_LOGIT_BIAS = 128
+# --dtype's choices, with vLLM's aliases (half, float)
+DTYPES = {"auto": None, "float32": "float32", "float": "float32", "bfloat16": "bfloat16",
+          "float16": "float16", "half": "float16"}
 ATTENTION_BACKENDS = ("pallas", "pallas-interpret", "cpu", "xla", "reference")  # see attention.py
 
 
@@ -124,6 +127,15 @@ class SamplingParams:
             )
 
 
+def serving_dtype(requested: str, platform: str) -> str:
+    """The dtype weights and activations are served in. `auto`: float32 on CPU, where
+    jax 0.10's XLA:CPU has no bf16 path to AMX/AVX512-BF16 and runs bf16 dots 2-10x slower
+    than f32 (bench/results/NOTES.md); bfloat16 on accelerators, as vLLM does."""
+    if requested == "auto":
+        return "float32" if platform == "cpu" else "bfloat16"
+    return DTYPES[requested]
+
+
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
     """Sizes of the KV page pool, the batch and the step; what the engine allocates once."""
@@ -133,7 +145,7 @@ class EngineConfig:
     max_batch: int = 16  # rows in the running batch, per data shard (lowered by tpot_slo_ms)
     token_budget: int = 256  # tokens a step computes (decodes + prefill chunks), per shard
     max_model_len: int | None = None  # None: the model's context, capped by the pool
-    dtype: str = "float32"  # f32 serves fastest on CPU; bf16 on accelerators
+    dtype: str = "auto"  # weights and activations; see serving_dtype
     attention_backend: str | None = None  # None: by platform (see attention.select_backend)
     tpot_slo_ms: float | None = None
     compilation_cache_dir: str | None = None
@@ -165,3 +177,5 @@ class EngineConfig:
             )
         if self.buckets is not None:
             BucketTable(*self.buckets).covers(self.max_batch, self.token_budget)
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")

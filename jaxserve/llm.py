@@ -8,11 +8,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 
 from jaxserve.checkpoint.default_model import default_model_path
 from jaxserve.checkpoint.loader import load
-from jaxserve.config import EngineConfig, SamplingParams
+from jaxserve.config import EngineConfig, SamplingParams, serving_dtype
 from jaxserve.device.runner import ModelRunner, WarmupProgress, enable_compilation_cache
 from jaxserve.device.sharding import make_mesh
 from jaxserve.host.buckets import BucketTable
@@ -60,7 +61,8 @@ class LLM:
         self.model_path = Path(model) if model is not None else default_model_path()
         # one device unsharded; otherwise weights load straight into their shards
         self.mesh = make_mesh(cfg.tp, cfg.dp) if cfg.tp * cfg.dp > 1 else None
-        module, self.tokenizer = load(self.model_path, jnp.dtype(cfg.dtype), self.mesh)
+        self.dtype = jnp.dtype(serving_dtype(cfg.dtype, jax.default_backend()))
+        module, self.tokenizer = load(self.model_path, self.dtype, self.mesh)
         self.config = module.config
         max_model_len = min(
             cfg.max_model_len or self.config.max_position_embeddings,
@@ -78,7 +80,7 @@ class LLM:
             max_model_len,
             cfg.max_batch,
             cfg.attention_backend,
-            jnp.dtype(cfg.dtype),
+            self.dtype,
             self.mesh,
         )
         max_batch = cfg.max_batch

@@ -84,6 +84,11 @@ class EngineClient:
         return self._scheduler.max_model_len
 
     @property
+    def dtype(self) -> str:
+        """What the weights and activations are served in (`--dtype auto` resolved)."""
+        return self._llm.dtype.name
+
+    @property
     def num_buckets(self) -> int:
         """Step shapes compiled at start-up."""
         return len(self._runner.buckets.buckets())

@@ -102,7 +102,8 @@ class Server:
         log.info("a step running over %.0f s fails the engine (--step-timeout-s)", limit)
         self.client = client
         self.ready = True
-        log.info("ready: %s, %d buckets compiled", self.model_name, client.num_buckets)
+        log.info("ready: %s in %s, %d buckets compiled", self.model_name, client.dtype,
+                 client.num_buckets)
 
     def _compiled(self, progress) -> None:
         """Each bucket compiled at start-up, counted for /health (the runner logs it)."""
