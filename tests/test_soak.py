@@ -36,17 +36,28 @@ def test_windows_split_events_and_samples_by_time():
     assert rows[2]["rss_mib"] is None and rows[2]["ttft_p99_ms"] is None
 
 
-def test_ttft_thirds_leave_out_the_warmup_and_the_middle():
-    events = [Event(t, "normal", 200, ttft=ms / 1e3) for t, ms in
+def test_ttft_thirds_leave_out_the_warmup_the_middle_and_the_bursts():
+    events = [Event(t, "probe", 200, ttft=ms / 1e3) for t, ms in
               [(5, 900), (11, 100), (19, 100), (25, 500), (35, 120), (39, 130)]]
-    assert soak.ttft_thirds(events, 10, 40, 60) == (pytest.approx(100), pytest.approx(129.9))
-    # thirds of 10 s cut to 8 s, 2 burst periods: 19 s and 31 s fall in the middle
-    events += [Event(31, "normal", 200, ttft=0.9)]
-    assert soak.ttft_thirds(events, 10, 40, 4) == (pytest.approx(100), pytest.approx(129.9))
+    events.append(Event(12, "normal", 200, ttft=0.7))  # not the probe's: left out
+    assert soak.ttft_thirds(events, 10, 40) == (pytest.approx(100), pytest.approx(129.9))
+    # a burst sent at 36 s and answered by 37.5 s: the probe sent at 37 s waited behind it
+    bursts = [Event(36 + i / 100, "burst", 200, end=37.5) for i in range(3)]
+    late_probe = Event(37, "probe", 200, ttft=0.9)
+    assert soak.ttft_thirds([*events, *bursts, late_probe], 10, 40) == (
+        pytest.approx(100), pytest.approx(129.9))
+    assert soak.ttft_thirds([*events, late_probe], 10, 40)[1] > 800  # counted without it
+
+
+def test_burst_spans_run_from_the_first_send_to_the_last_answer():
+    events = [Event(30.0, "burst", 429, end=30.1), Event(30.2, "burst", 200, end=31.5),
+              Event(30.3, "normal", 200, end=30.4), Event(60.1, "burst", 200, end=None)]
+    assert soak.burst_spans(events) == [(30.0, 31.5), (60.1, 60.1)]
 
 
 def test_which_outcomes_are_unexpected():
-    assert not Event(0, "normal", 429).unexpected
+    assert not Event(0, "normal", 429).unexpected and not Event(0, "probe", 429).unexpected
+    assert Event(0, "probe", 500).unexpected
     assert Event(0, "normal", 200, error="ClientPayloadError: cut").unexpected
     assert Event(0, "normal", 200, error="stream error: {}").is_5xx
     assert not Event(0, "bad", 404).unexpected
@@ -56,35 +67,52 @@ def test_which_outcomes_are_unexpected():
     assert Event(0, "disconnect", None, error="ClientConnectorError").unexpected
 
 
+def test_the_rss_floor_ignores_swings_but_not_growth():
+    # a burst every 10 s lifts RSS by 30 MiB for a few seconds, less each time late on
+    swinging = [Sample(t, 100.0 + (30 - t / 4 if t % 10 < 3 else 0), 20, 9) for t in range(60)]
+    floors = soak.rss_floors(swinging, 10, 60, 10)
+    assert floors == [(15.0, 100.0), (25.0, 100.0), (35.0, 100.0), (45.0, 100.0),
+                      (55.0, 100.0)]
+    assert soak.slope_per_minute(floors) == pytest.approx(0.0)
+    assert soak.slope_per_minute([(s.t, s.rss_mib) for s in swinging if s.t >= 10]) < -1
+    leaking = [Sample(s.t, s.rss_mib + s.t / 30, 20, 9) for s in swinging]  # 2 MiB/min
+    assert soak.slope_per_minute(soak.rss_floors(leaking, 10, 60, 10)) == pytest.approx(2.0)
+
+
 def test_checks_pass_and_fail_on_their_limits():
-    mix = Mix(duration_s=40, warmup_s=10)
+    mix = Mix(duration_s=40, warmup_s=10, burst_every_s=10)
     steady = [Sample(t, 100.0 + t / 600, 20, 9) for t in range(0, 41, 2)]  # 0.1 MiB/min
-    events = [Event(t, "normal", 200, ttft=0.1) for t in range(10, 40)]
+    events = [Event(t, "probe", 200, ttft=0.1) for t in range(10, 40)]
     idle = Sample(0, 100.0, 20, 9)
     good = soak.checks(mix, events, steady, idle, Sample(45, 100.1, 20, 9))
     assert all(c["ok"] for c in good.values()), good
     growing = [Sample(t, 100.0 + t / 20, 20, 9) for t in range(0, 41, 2)]  # 3 MiB/min
-    slow_late = [*events, *(Event(t, "normal", 200, ttft=0.5) for t in range(31, 40))]
+    slow_late = [*events, *(Event(t, "probe", 200, ttft=0.5) for t in range(31, 40))]
     bad = soak.checks(mix, [*slow_late, Event(20, "burst", 500)], growing, idle,
                       Sample(45, 110.0, 23, 10))
     assert not any(c["ok"] for c in bad.values()), bad
     assert bad["rss"]["mib_per_min"] == pytest.approx(3.0)
 
 
-# Out of the default run (`-m soak` runs it): its TTFT p99 check is flaky at this run's
-# length. Alone on a quiet machine, late ÷ early p99 came out 0.93, 0.11, 0.73 and 1.93
-# (26 ÷ 13 ms: one scheduling hiccup doubles a p99 of ~15 ms), and RSS slopes of -1.1 to
-# 1.3 MiB/min against a limit of 1. A red CI on noise helps no one; the 60-minute run
-# (bench/results/soak.md) is where these checks hold.
+# Out of the default run (`-m soak` runs it): at 5 minutes its RSS check still fails on
+# this machine. The TTFT check now holds (a dedicated probe, ~2,600 samples a third,
+# bursts left out: late ÷ early 1.00 and 1.19, where the old statistic gave 0.11-1.93),
+# but the RSS floor rose 700 -> 742 MiB in one run (11 MiB/min) and 654 -> 663 in another
+# (2.9) with MALLOC_ARENA_MAX=2. It is not a leak per request: 3,000-12,000 requests of
+# each kind (streamed and whole completions and chats, bad JSON, a negative max_tokens,
+# disconnects) move RSS < 3 MiB, and a 20,000-word prompt lifts it 18 MiB once; the
+# allocator's high-water marks keep rising for minutes. The 60-minute run
+# (bench/results/soak.md) is where the checks hold.
 @pytest.mark.slow
 @pytest.mark.soak
 def test_five_minutes_of_mixed_load_leave_nothing_behind(tiny_model, tmp_path):
     with running_server(tiny_model, *FLAGS) as (url, proc):
         report = soak.run(url, proc.pid, Mix(duration_s=300), tmp_path / "soak.json",
-                          command="tests/test_soak.py", progress=False)
+                          command="tests/test_soak.py", progress=False, keep_events=True)
     print("\n" + soak.markdown(report))
     counts = report["counts"]
-    for kind in ("normal 200", "bad 400", "bad 404", "disconnect 200", "slow 200", "burst 429"):
+    for kind in ("normal 200", "probe 200", "bad 400", "bad 404", "disconnect 200", "slow 200",
+                 "burst 429"):
         assert counts.get(kind), (kind, counts)  # every part of the mix ran
     assert all(c["ok"] for c in report["checks"].values()), report["checks"]
     saved = json.loads((tmp_path / "soak.json").read_text())
