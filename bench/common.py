@@ -16,6 +16,15 @@ from pathlib import Path
 import numpy as np
 
 RESULTS = Path(__file__).resolve().parent / "results"
+# the prompts every model and dtype is checked on: greedy tokens against transformers
+# (tests/test_smollm2_vs_transformers.py), quantized against f32 (bench/quantization.py)
+REFERENCE_PROMPTS = (
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, in a small village,",
+    "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n",
+    "Les fleurs du printemps sont",
+)
 
 
 def summarize(values: Sequence[float], scale: float = 1.0) -> dict:

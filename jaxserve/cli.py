@@ -7,9 +7,13 @@ import sys
 import time
 from pathlib import Path
 
-from jaxserve.config import ATTENTION_BACKENDS, DTYPES, EngineConfig
+from jaxserve.config import ATTENTION_BACKENDS, DTYPES, WEIGHT_DTYPES, EngineConfig
 from jaxserve.host.buckets import BucketTable
 
+WEIGHT_DTYPE_HELP = (
+    "how projection weights are stored: int8 or fp8 (e4m3) with a scale per output channel, "
+    "or bf16/f32, each computed in --dtype; auto: in --dtype"
+)
 # the engine flags' defaults are EngineConfig's: one default per setting
 DEFAULTS = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
 
@@ -35,6 +39,8 @@ def main(argv: list[str] | None = None) -> int:
     conv = commands.add_parser("convert", help="write an Orbax checkpoint of a model")
     conv.add_argument("src", help="GGUF file or HF directory")
     conv.add_argument("--out", required=True, type=Path)
+    conv.add_argument("--weight-dtype", default="auto", choices=WEIGHT_DTYPES,
+                      help=WEIGHT_DTYPE_HELP + "; stored so that a restart does not re-quantize")
 
     serve = commands.add_parser(
         "serve", help="serve the OpenAI-compatible HTTP API",
@@ -130,9 +136,9 @@ def _convert(args: argparse.Namespace) -> int:
     from jaxserve.checkpoint.loader import load
 
     start = time.perf_counter()
-    model, tokenizer = load(args.src)
+    model, tokenizer = load(args.src, weight_dtype=args.weight_dtype)
     loaded = time.perf_counter()
-    orbax_checkpoint.save(model, tokenizer, args.out)
+    orbax_checkpoint.save(model, tokenizer, args.out, args.weight_dtype)
     print(
         f"loaded {args.src} in {loaded - start:.1f}s, wrote {args.out} "
         f"in {time.perf_counter() - loaded:.1f}s",
@@ -154,6 +160,8 @@ def _engine_flags(parser: argparse.ArgumentParser) -> None:
         "--dtype", default=DEFAULTS["dtype"], choices=DTYPES,
         help="weights and activations; auto: float32 on CPU (faster there), bfloat16 on GPU",
     )
+    group.add_argument("--weight-dtype", default=DEFAULTS["weight_dtype"],
+                       choices=WEIGHT_DTYPES, help=WEIGHT_DTYPE_HELP)
     group.add_argument("--attention-backend", choices=ATTENTION_BACKENDS)
     group.add_argument("--tpot-slo-ms", type=float, help="cap the batch so steps stay under 60%%")
     group.add_argument(
@@ -195,6 +203,7 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
         token_budget=args.token_budget,
         max_model_len=args.max_model_len,
         dtype=args.dtype,
+        weight_dtype=args.weight_dtype,
         attention_backend=args.attention_backend,
         tpot_slo_ms=args.tpot_slo_ms,
         compilation_cache_dir=args.compilation_cache_dir or None,

@@ -50,6 +50,8 @@ MAX_LOGIT_BIAS = 128
 # --dtype's choices, with vLLM's aliases (half, float)
 DTYPES = {"auto": None, "float32": "float32", "float": "float32", "bfloat16": "bfloat16",
           "float16": "float16", "half": "float16"}
+# --weight-dtype's choices, how projections are stored (models/layers.py); auto: in --dtype
+WEIGHT_DTYPES = ("auto", "f32", "bf16", "int8", "fp8")
 ATTENTION_BACKENDS = ("pallas", "pallas-interpret", "cpu", "xla", "reference")  # see attention.py
 
 
@@ -146,6 +148,7 @@ class EngineConfig:
     token_budget: int = 256  # tokens a step computes (decodes + prefill chunks), per shard
     max_model_len: int | None = None  # None: the model's context, capped by the pool
     dtype: str = "auto"  # weights and activations; see serving_dtype
+    weight_dtype: str = "auto"  # how projections are stored (WEIGHT_DTYPES)
     attention_backend: str | None = None  # None: by platform (see attention.select_backend)
     tpot_slo_ms: float | None = None
     compilation_cache_dir: str | None = None
@@ -179,3 +182,6 @@ class EngineConfig:
             BucketTable(*self.buckets).covers(self.max_batch, self.token_budget)
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.weight_dtype not in WEIGHT_DTYPES:
+            raise ValueError(f"weight_dtype must be one of {', '.join(WEIGHT_DTYPES)}, got "
+                             f"{self.weight_dtype!r}")

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 
 from jaxserve.checkpoint.default_model import default_model_path
 from jaxserve.checkpoint.loader import load
@@ -21,6 +22,7 @@ from jaxserve.host.engine import Engine
 from jaxserve.host.page_allocator import PageAllocator
 from jaxserve.host.request import check_prompt_ids
 from jaxserve.host.scheduler import Scheduler
+from jaxserve.models import get_model_spec
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,7 +64,7 @@ class LLM:
         # one device unsharded; otherwise weights load straight into their shards
         self.mesh = make_mesh(cfg.tp, cfg.dp) if cfg.tp * cfg.dp > 1 else None
         self.dtype = jnp.dtype(serving_dtype(cfg.dtype, jax.default_backend()))
-        module, self.tokenizer = load(self.model_path, self.dtype, self.mesh)
+        module, self.tokenizer = load(self.model_path, self.dtype, self.mesh, cfg.weight_dtype)
         self.config = module.config
         max_model_len = min(
             cfg.max_model_len or self.config.max_position_embeddings,
@@ -113,6 +115,22 @@ class LLM:
             self.runner, self.scheduler, self.tokenizer, eos, cfg.stream_capacity,
             debug_checks=cfg.debug_checks,
         )
+
+    @property
+    def weight_dtype(self) -> str:
+        """How the projections are stored on the device: float32, bfloat16, int8 or
+        float8_e4m3fn (`weight_dtype` resolved)."""
+        rules = get_model_spec(self.config.architecture).weight_map(self.config)
+        for path, variable in nnx.to_flat_state(self.runner.state):
+            if rules["/".join(str(p) for p in path)].projection:
+                value = variable.get_value()
+                return getattr(value, "values", value).dtype.name
+        return self.dtype.name
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of every parameter on the device (all shards together), scales included."""
+        return sum(x.nbytes for x in jax.tree.leaves(self.runner.state))
 
     def encode(self, prompt: str | Sequence[int]) -> list[int]:
         """Token ids of a prompt given as text or ids; RequestRejected (a ValueError) when

@@ -89,6 +89,15 @@ class EngineClient:
         return self._llm.dtype.name
 
     @property
+    def weight_dtype(self) -> str:
+        """How the projections are stored (`--weight-dtype` resolved)."""
+        return self._llm.weight_dtype
+
+    @property
+    def weight_bytes(self) -> int:
+        return self._llm.weight_bytes
+
+    @property
     def num_buckets(self) -> int:
         """Step shapes compiled at start-up."""
         return len(self._runner.buckets.buckets())

@@ -182,10 +182,17 @@ class ChatCompletionChunk(_Body):
 
 
 class Model(_Body):
+    """OpenAI's model card, and what is served (extensions): the context, the dtype
+    activations compute in, and how the projection weights are stored (float32, bfloat16,
+    int8, float8_e4m3fn)."""
+
     id: str
     object: Literal["model"]
     created: int
     owned_by: str
+    max_model_len: int
+    dtype: str
+    weight_dtype: str
 
 
 class ModelList(_Body):

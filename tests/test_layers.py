@@ -1,11 +1,13 @@
 """Every projection goes through models/layers.linear: a model whose weights are stored
-as int8 with a scale runs with no change to its code, and computes what the dequantized
-weights compute."""
+as int8 or fp8 with a scale runs with no change to its code, and computes what the
+dequantized weights compute."""
 
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
 
 from jaxserve.config import ModelConfig
@@ -13,7 +15,7 @@ from jaxserve.device.batch import pack_step
 from jaxserve.device.kv_cache import init_kv_cache
 from jaxserve.device.step import forward
 from jaxserve.host.plan import Chunk
-from jaxserve.models.layers import Int8Weight, linear, quantize_int8
+from jaxserve.models.layers import QuantizedWeight, linear, quantize
 from jaxserve.models.llama import LlamaForCausalLM
 
 CONFIG = ModelConfig("llama", 256, 64, 128, 2, 4, 2, 16, max_position_embeddings=64)
@@ -43,19 +45,21 @@ def logits_of(model: nnx.Module) -> np.ndarray:
     return np.asarray(logits)
 
 
-def test_int8_weights_run_through_the_same_model_code():
+@pytest.mark.parametrize(("weight_dtype", "stored", "error"), [
+    ("int8", "int8", 0.05), ("fp8", "float8_e4m3fn", 0.1)])
+def test_quantized_weights_run_through_the_same_model_code(weight_dtype, stored, error):
     model = LlamaForCausalLM(CONFIG, nnx.Rngs(0))
-    quantized = with_weights(model, quantize_int8)
-    assert isinstance(quantized.layers.q_proj.get_value(), Int8Weight)
-    stored = {x.dtype.name for x in jax.tree.leaves(nnx.state(quantized.layers))}
-    assert "int8" in stored
-    # what the int8 weights mean, as plain f32 arrays
-    dequantized = with_weights(quantized, lambda w: w.values * w.scale[..., None, :])
+    quantized = with_weights(model, lambda w: quantize(w, weight_dtype))
+    assert isinstance(quantized.layers.q_proj.get_value(), QuantizedWeight)
+    assert stored in {x.dtype.name for x in jax.tree.leaves(nnx.state(quantized.layers))}
+    # what the quantized weights mean, as plain f32 arrays
+    dequantized = with_weights(
+        quantized, lambda w: w.values.astype(np.float32) * w.scale[..., None, :])
     got, want = logits_of(quantized), logits_of(dequantized)
     np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
-    # and close to the unquantized model (int8 rounding, not a different computation)
+    # and close to the unquantized model (rounding, not a different computation)
     full = logits_of(model)
-    assert np.abs(got - full).max() < 0.05 * np.abs(full).max()
+    assert np.abs(got - full).max() < error * np.abs(full).max()
     assert np.abs(got - full).max() > 0  # the weights really are rounded
 
 
@@ -64,9 +68,26 @@ def test_linear_on_a_plain_and_a_quantized_weight():
     x = rng.standard_normal((3, 8)).astype(np.float32)
     w = rng.standard_normal((8, 5)).astype(np.float32)
     np.testing.assert_allclose(np.asarray(linear(x, w)), x @ w, rtol=1e-5, atol=1e-5)
-    q = quantize_int8(w)
-    np.testing.assert_allclose(
-        np.asarray(linear(x, q)), x @ (np.asarray(q.values) * np.asarray(q.scale)),
-        rtol=1e-5, atol=1e-5,
-    )
-    assert np.abs(np.asarray(q.values) * np.asarray(q.scale) - w).max() <= np.abs(w).max() / 127
+    np.testing.assert_allclose(np.asarray(linear(x, w.astype(jnp.bfloat16))),
+                               x @ w.astype(jnp.bfloat16).astype(np.float32), rtol=1e-5,
+                               atol=1e-5)  # a bf16-stored weight is cast to x's dtype
+    for weight_dtype in ("int8", "fp8"):
+        q = quantize(w, weight_dtype)
+        dequantized = np.asarray(q.values).astype(np.float32) * np.asarray(q.scale)
+        np.testing.assert_allclose(np.asarray(linear(x, q)), x @ dequantized, rtol=1e-5,
+                                   atol=1e-5)
+        # int8: within half a step (the scale, 1/127 of the column's largest magnitude);
+        # fp8 (e4m3, 3 mantissa bits): within half a unit in the last place of each
+        # value, 2^-4 of it, or of the smallest subnormal step (2^-9 × the scale)
+        scale = np.asarray(q.scale)
+        bound = scale / 2 if weight_dtype == "int8" else np.abs(w) * 2**-4 + scale * 2**-10
+        assert (np.abs(dequantized - w) <= bound + 1e-7).all(), weight_dtype
+
+
+def test_an_all_zero_column_quantizes_to_zeros():
+    w = np.zeros((4, 3), np.float32)
+    w[:, 1] = [1, -2, 3, 0.5]
+    for weight_dtype in ("int8", "fp8"):
+        q = quantize(w, weight_dtype)
+        assert np.isfinite(np.asarray(q.values, dtype=np.float32)).all()
+        assert np.asarray(q.values, dtype=np.float32)[:, [0, 2]].max() == 0

@@ -1,6 +1,8 @@
 """SmolLM2-135M-Instruct from its GGUF file, on both sides: greedy tokens must be identical."""
 
 import dataclasses
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -9,13 +11,10 @@ import transformers
 
 from jaxserve import LLM, SamplingParams
 
-PROMPTS = [
-    "The capital of France is",
-    "def fibonacci(n):",
-    "Once upon a time, in a small village,",
-    "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n",
-    "Les fleurs du printemps sont",
-]
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+from common import REFERENCE_PROMPTS
+
+PROMPTS = list(REFERENCE_PROMPTS)
 NEW_TOKENS = 32
 
 

@@ -9,17 +9,34 @@ from jax.sharding import Mesh
 
 from jaxserve.checkpoint import orbax_checkpoint
 from jaxserve.checkpoint.tokenizer import Tokenizer
-from jaxserve.checkpoint.weights import WeightsError, load_model, open_checkpoint
+from jaxserve.checkpoint.weights import (
+    WeightsError,
+    load_model,
+    open_checkpoint,
+    store_projections,
+)
 
 
 def load(
-    path: str | Path, dtype: jnp.dtype = jnp.float32, mesh: Mesh | None = None
+    path: str | Path, dtype: jnp.dtype = jnp.float32, mesh: Mesh | None = None,
+    weight_dtype: str = "auto",
 ) -> tuple[nnx.Module, Tokenizer]:
-    """The model with its weights on the device (or sharded over `mesh`), and its tokenizer."""
+    """The model with its weights on the device (or sharded over `mesh`), its projections
+    stored as `weight_dtype` says (models/layers.py), and its tokenizer."""
     path = Path(path)
     if orbax_checkpoint.is_converted(path):
-        return orbax_checkpoint.restore(path, dtype, mesh)
-    model = load_model(open_checkpoint(path), dtype, mesh)
+        stored = orbax_checkpoint.stored_weight_dtype(path)
+        model, tokenizer = orbax_checkpoint.restore(path, dtype, mesh)
+        if weight_dtype in ("auto", stored):
+            return model, tokenizer
+        if stored != "auto":
+            raise WeightsError(
+                f"{path} stores its weights as {stored}: serve it with --weight-dtype "
+                f"{stored} (or auto), or convert its source again with --weight-dtype "
+                f"{weight_dtype}"
+            )
+        return store_projections(model, weight_dtype, mesh), tokenizer
+    model = load_model(open_checkpoint(path), dtype, mesh, weight_dtype)
     if path.suffix == ".gguf":
         tokenizer = Tokenizer.from_gguf(path)
     elif (path / "tokenizer.json").exists():

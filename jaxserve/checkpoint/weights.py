@@ -27,6 +27,7 @@ from jaxserve.checkpoint.model_config import (
 from jaxserve.config import ModelConfig
 from jaxserve.device.sharding import param_sharding
 from jaxserve.models import ModelSpec, WeightRule, get_model_spec, param_axes
+from jaxserve.models.layers import QuantizedWeight, scale_axes, store
 
 # GGUF quantization types dequantized here (the ones real Llama-family files use).
 GGUF_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K")
@@ -196,9 +197,11 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
 
 
 def load_model(
-    checkpoint: Checkpoint, dtype: jnp.dtype = jnp.float32, mesh: Mesh | None = None
+    checkpoint: Checkpoint, dtype: jnp.dtype = jnp.float32, mesh: Mesh | None = None,
+    weight_dtype: str = "auto",
 ) -> nnx.Module:
-    """Build the registered architecture and fill every parameter from the checkpoint.
+    """Build the registered architecture and fill every parameter from the checkpoint,
+    its projections stored as `weight_dtype` says (layers.store: quantized on the host).
 
     With a `mesh`, each parameter is assembled on the host and each device receives
     only its own shard (as `sharding.param_sharding` lays it out): no device ever
@@ -220,12 +223,37 @@ def load_model(
             raise WeightsError(f"{checkpoint.path}: weight map has no rule for parameter {name!r}")
         target = variable.get_value()
         array = _assemble(checkpoint, rules[name], config.num_layers, target.shape, name)
-        if mesh is None:
-            value = jnp.asarray(array, dtype=target.dtype)
-        else:
-            value = _place(np.asarray(array, dtype=target.dtype), mesh, axes[name])
-        flat.append((path, variable.replace(value)))
+        array = np.asarray(array, dtype=target.dtype)
+        if rules[name].projection:
+            array = store(array, weight_dtype)
+        flat.append((path, variable.replace(place_param(array, mesh, axes.get(name)))))
     return nnx.merge(graphdef, nnx.from_flat_state(flat))
+
+
+def store_projections(model: nnx.Module, weight_dtype: str, mesh: Mesh | None = None
+                      ) -> nnx.Module:
+    """`model` with its projections re-stored as `weight_dtype` says (via the host)."""
+    graphdef, state = nnx.split(model)
+    rules = get_model_spec(model.config.architecture).weight_map(model.config)
+    axes = param_axes(model.config)
+    flat = [
+        (path, variable.replace(place_param(store(np.asarray(variable.get_value()),
+                                                  weight_dtype), mesh, axes[name]))
+         if rules[name].projection else variable)
+        for path, variable in nnx.to_flat_state(state)
+        for name in ["/".join(str(p) for p in path)]
+    ]
+    return nnx.merge(graphdef, nnx.from_flat_state(flat))
+
+
+def place_param(value: np.ndarray | QuantizedWeight, mesh: Mesh | None,
+                axes: tuple[str | None, ...] | None) -> jax.Array | QuantizedWeight:
+    """A host parameter on the device, or sharded over `mesh` by its logical `axes` (a
+    QuantizedWeight's scale by its weight's output axis)."""
+    if isinstance(value, QuantizedWeight):
+        return QuantizedWeight(place_param(value.values, mesh, axes),
+                               place_param(value.scale, mesh, axes and scale_axes(axes)))
+    return jnp.asarray(value) if mesh is None else _place(value, mesh, axes)
 
 
 def _place(array: np.ndarray, mesh: Mesh, axes: tuple[str | None, ...]) -> jax.Array:

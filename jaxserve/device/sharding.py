@@ -132,8 +132,18 @@ def state_shardings(
     mesh: Mesh, state: nnx.State, axes: Mapping[str, Sequence[str | None]]
 ) -> nnx.State:
     """A tree like `state` (arrays or abstract) holding each parameter's NamedSharding,
-    `axes` giving each parameter path's logical axes."""
-    return map_params(lambda path, x: param_sharding(mesh, axes[path], x.shape), state)
+    `axes` giving each parameter path's logical axes (a quantized weight's scale: its
+    weight's, less the input axis)."""
+    # imported here: jaxserve.models imports this module
+    from jaxserve.models.layers import QuantizedWeight, scale_axes
+
+    def sharding(path: str, x) -> NamedSharding | QuantizedWeight:
+        if isinstance(x, QuantizedWeight):
+            return QuantizedWeight(param_sharding(mesh, axes[path], x.values.shape),
+                                   param_sharding(mesh, scale_axes(axes[path]), x.scale.shape))
+        return param_sharding(mesh, axes[path], x.shape)
+
+    return map_params(sharding, state)
 
 
 @dataclass(frozen=True)

@@ -53,12 +53,15 @@ class WeightRule:
     `sharding.RULES` maps onto the mesh ("vocab", "heads", "kv_heads", "mlp" split
     over tensor parallelism; None or any other name: replicated). Every parameter
     needs them: a parameter the rules forgot is an error at load, not a silent copy
-    on every device.
+    on every device. `projection` marks a weight that the model multiplies through
+    `layers.linear`: the one kind `--weight-dtype` stores otherwise (quantized, or in
+    another float dtype); embeddings, norms and biases stay in the serving dtype.
     """
 
     source: str
     transpose: bool = False
     axes: tuple[str | None, ...] | None = None
+    projection: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,37 +1,74 @@
 """The one way a model multiplies activations by a weight.
 
 Every projection goes through `linear`, so how a weight is stored is decided here and
-nowhere else: a plain [in, out] array, or an `Int8Weight` (int8 values with one scale per
-output column, dequantized on the fly). Another storage format (fp8, grouped int4) is
-another case here; model code does not change.
+nowhere else: a plain [in, out] array (in the serving dtype, or another float dtype cast
+on the fly), or a `QuantizedWeight` (int8 or fp8 values with one scale per output column,
+dequantized on the fly). Another storage format (grouped int4) is another case here;
+model code does not change.
 """
 
 from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+
+FLOAT_STORAGE = {"f32": np.float32, "bf16": ml_dtypes.bfloat16}
+# quantized storage: its numpy dtype and the largest magnitude it holds (fp8 is e4m3)
+QUANTIZED_STORAGE = {"int8": (np.int8, 127.0), "fp8": (ml_dtypes.float8_e4m3fn, 448.0)}
 
 
 @jax.tree_util.register_dataclass
 @dataclass(frozen=True, slots=True)
-class Int8Weight:
-    """A weight stored as int8: w ≈ values × scale, one scale per output column. Leading
-    axes (stacked layers) are kept on both, so a layer scan slices it like an array."""
+class QuantizedWeight:
+    """A weight stored as int8 or fp8: w ≈ values × scale, one scale per output column.
+    Leading axes (stacked layers) are kept on both, so a layer scan slices it like an
+    array."""
 
-    values: jax.Array  # i8[..., in, out]
+    values: jax.Array  # i8 or f8e4m3[..., in, out]
     scale: jax.Array  # f32[..., out]
 
 
-def linear(x: jax.Array, w: jax.Array | Int8Weight) -> jax.Array:
+def linear(x: jax.Array, w: jax.Array | QuantizedWeight) -> jax.Array:
     """x @ w for x [..., in] and a weight [in, out] in any storage, in x's dtype."""
-    if isinstance(w, Int8Weight):
+    if isinstance(w, QuantizedWeight):
         return (x @ w.values.astype(x.dtype)) * w.scale.astype(x.dtype)
-    return x @ w
+    return x @ w.astype(x.dtype)
 
 
-def quantize_int8(w: jax.Array) -> Int8Weight:
-    """Symmetric int8 with one scale per output column (absmax / 127)."""
-    scale = jnp.max(jnp.abs(w), axis=-2).astype(jnp.float32) / 127.0
-    safe = jnp.where(scale == 0, 1.0, scale)
-    values = jnp.round(w.astype(jnp.float32) / safe[..., None, :])
-    return Int8Weight(values.astype(jnp.int8), scale)
+def quantize(w: np.ndarray | jax.Array, weight_dtype: str) -> QuantizedWeight:
+    """Symmetric per-output-column quantization (absmax ÷ the format's largest value), on
+    the host: a layer stack is quantized before it reaches the device."""
+    storage, largest = QUANTIZED_STORAGE[weight_dtype]
+    w = np.asarray(w, dtype=np.float32)
+    scale = np.abs(w).max(axis=-2) / largest
+    scaled = w / np.where(scale == 0, 1.0, scale)[..., None, :]
+    if weight_dtype == "int8":
+        scaled = np.round(scaled)
+    return QuantizedWeight(scaled.astype(storage), scale.astype(np.float32))
+
+
+def store(w: np.ndarray, weight_dtype: str) -> np.ndarray | QuantizedWeight:
+    """A projection weight (host array, in the serving dtype) as `weight_dtype` stores it."""
+    if weight_dtype in QUANTIZED_STORAGE:
+        return quantize(w, weight_dtype)
+    if weight_dtype in FLOAT_STORAGE:
+        return np.asarray(w).astype(FLOAT_STORAGE[weight_dtype])
+    return w
+
+
+def abstract_stored(shape: tuple[int, ...], dtype: jnp.dtype, weight_dtype: str
+                    ) -> jax.ShapeDtypeStruct | QuantizedWeight:
+    """The shapes and dtypes `store` gives a weight of `shape`: what a checkpoint restores."""
+    if weight_dtype in QUANTIZED_STORAGE:
+        return QuantizedWeight(
+            jax.ShapeDtypeStruct(shape, QUANTIZED_STORAGE[weight_dtype][0]),
+            jax.ShapeDtypeStruct(shape[:-2] + shape[-1:], jnp.float32),
+        )
+    return jax.ShapeDtypeStruct(shape, FLOAT_STORAGE.get(weight_dtype, dtype))
+
+
+def scale_axes(axes: tuple[str | None, ...]) -> tuple[str | None, ...]:
+    """A QuantizedWeight's scale's logical axes: its weight's, less the input axis."""
+    return axes[:-2] + axes[-1:]

@@ -168,13 +168,14 @@ def llama_weight_map(config: ModelConfig) -> dict[str, WeightRule]:
             layer + "post_attention_layernorm.weight", axes=("layers", "embed")
         ),
         "layers/o_proj": WeightRule(
-            layer + "self_attn.o_proj.weight", transpose=True, axes=("layers", "heads", "embed")
+            layer + "self_attn.o_proj.weight", transpose=True, axes=("layers", "heads", "embed"),
+            projection=True,
         ),
     }
     for name, heads in (("q", "heads"), ("k", "kv_heads"), ("v", "kv_heads")):
         rules[f"layers/{name}_proj"] = WeightRule(
             layer + f"self_attn.{name}_proj.weight", transpose=True,
-            axes=("layers", "embed", heads),
+            axes=("layers", "embed", heads), projection=True,
         )
         if config.attention_bias:
             rules[f"layers/{name}_bias"] = WeightRule(
@@ -183,7 +184,8 @@ def llama_weight_map(config: ModelConfig) -> dict[str, WeightRule]:
     for name, axes in (("gate", ("embed", "mlp")), ("up", ("embed", "mlp")),
                        ("down", ("mlp", "embed"))):
         rules[f"layers/{name}_proj"] = WeightRule(
-            layer + f"mlp.{name}_proj.weight", transpose=True, axes=("layers", *axes)
+            layer + f"mlp.{name}_proj.weight", transpose=True, axes=("layers", *axes),
+            projection=True,
         )
     if not config.tie_word_embeddings:
         rules["lm_head"] = WeightRule("lm_head.weight", transpose=True, axes=("embed", "vocab"))

@@ -1,0 +1,215 @@
+"""Weight quantization on this machine: accuracy against f32, memory, step time and speed.
+
+    .venv/bin/python bench/quantization.py [--weight-dtypes auto,bf16,int8,fp8]
+        [--model PATH] [--steps 20] [--out bench/results/quantization.json]
+
+For each --weight-dtype (auto: the projections in f32, the reference), side by side:
+- accuracy, through a live `jaxserve serve --weight-dtype X` (the lm-evaluation-harness
+  path: /v1/completions with `echo` and `logprobs`):
+  - log-likelihood: the mean log-probability per token of a fixed text (Python's own
+    LICENSE.txt, ~2,900 tokens; its sha256 is recorded), and its relative difference to
+    f32's, against the bound each dtype must meet (int8 1 %, fp8 2 %, bf16 1 %);
+  - greedy agreement: the 5 reference prompts × 32 greedy tokens (EOS ignored); per
+    prompt, the tokens identical to f32's before the first divergence;
+- memory: the weights' bytes on the device, as the engine counts them;
+- speed: output tok/s at concurrency 16 through the same server (bench/serve.py: 48
+  streamed requests, 100-300 prompt tokens, 128 out), and, in process, the decode step
+  time (median of --steps) at batch 1 and 16 with 256 tokens of context, the dtypes
+  interleaved step by step so that the machine's drift reaches each alike.
+
+Writes the JSON (machine, commands, every figure), a markdown table beside it and a plot.
+"""
+
+import argparse
+import hashlib
+import json
+import shlex
+import statistics
+import sys
+import sysconfig
+import time
+import urllib.request
+from pathlib import Path
+
+from common import (
+    REFERENCE_PROMPTS,
+    RESULTS,
+    cpu_description,
+    fmt,
+    free_port,
+    markdown_table,
+    pyplot,
+    server_process,
+    write_json,
+)
+from serve import Lengths, Workload, run
+from steps import fabricated_step
+
+ROOT = Path(__file__).resolve().parents[1]
+GGUF = ROOT / "checkpoints" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+TEXT = Path(sysconfig.get_paths()["stdlib"]) / "LICENSE.txt"  # fixed, natural English
+NEW_TOKENS = 32
+BOUNDS = {"auto": 0.0, "f32": 0.0, "bf16": 0.01, "int8": 0.01, "fp8": 0.02}  # |ΔLL| ÷ |LL|
+MAX_MODEL_LEN = 4096
+
+
+def post(url: str, body: dict) -> dict:
+    request = urllib.request.Request(url + "/v1/completions", json.dumps(body).encode(),
+                                     {"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=600) as resp:
+        return json.load(resp)
+
+
+def log_likelihood(url: str, model: str, text: str) -> tuple[float, int]:
+    """Mean log-probability per token of `text` (every token after the first), and the
+    number of tokens scored."""
+    answer = post(url, {"model": model, "prompt": text, "max_tokens": 1, "echo": True,
+                        "logprobs": 0, "temperature": 0})
+    prompt_tokens = answer["usage"]["prompt_tokens"]
+    scored = answer["choices"][0]["logprobs"]["token_logprobs"][1:prompt_tokens]
+    return statistics.fmean(scored), len(scored)
+
+
+def greedy_tokens(url: str, model: str) -> list[list[str]]:
+    """Each reference prompt's 32 greedy tokens, as token strings."""
+    return [
+        post(url, {"model": model, "prompt": p, "max_tokens": NEW_TOKENS, "temperature": 0,
+                   "ignore_eos": True, "logprobs": 0})["choices"][0]["logprobs"]["tokens"]
+        for p in REFERENCE_PROMPTS
+    ]
+
+
+def agreement(a: list[str], b: list[str]) -> int:
+    """Tokens identical before the first divergence."""
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def serve_and_measure(model: Path, weight_dtype: str, text: str) -> dict:
+    """Start a server storing its weights as `weight_dtype`; score, generate, load it."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "jaxserve.cli", "serve", "--model", str(model),
+           "--port", str(port), "--weight-dtype", weight_dtype,
+           "--max-model-len", str(MAX_MODEL_LEN),
+           "--compilation-cache-dir", str(ROOT / ".cache" / "jax")]
+    url = f"http://127.0.0.1:{port}"
+    log = ROOT / ".cache" / f"quantization-{weight_dtype}.log"
+    with server_process(cmd, url + "/health", log, cwd=ROOT):
+        with urllib.request.urlopen(url + "/v1/models") as resp:
+            card = json.load(resp)["data"][0]
+        ll, scored = log_likelihood(url, card["id"], text)
+        tokens = greedy_tokens(url, card["id"])
+        workload = Workload(requests=48, concurrency=16, prompt_tokens=Lengths(100, 300),
+                            output_tokens=Lengths(128, 128), seed=0)
+        report = run(url, None, workload)
+    return {"command": shlex.join(cmd), "stored": card["weight_dtype"], "log_likelihood": ll,
+            "tokens_scored": scored, "greedy": tokens,
+            "output_tokens_per_s_c16": report["output_tokens_per_s"],
+            "tpot_ms_p50_c16": report["tpot_ms"]["p50"],
+            "ttft_ms_p50_c16": report["ttft_ms"]["p50"]}
+
+
+def step_times(model: Path, weight_dtypes: list[str], steps: int) -> dict:
+    """Decode step time at batch 1 and 16 per weight dtype, interleaved, in process; and
+    the weights' bytes on the device."""
+    from jaxserve import LLM
+    from jaxserve.host.page_allocator import PageAllocator
+
+    out: dict = {}
+    llms = {w: LLM(model, weight_dtype=w, max_batch=16, token_budget=16, num_pages=512,
+                   max_model_len=1024, buckets=((1, 16), (1, 16))) for w in weight_dtypes}
+    plans = {}
+    for w, llm in llms.items():
+        out[w] = {"weight_bytes": llm.weight_bytes, "weight_storage": llm.weight_dtype}
+        allocator = PageAllocator(512)
+        plans[w] = {b: fabricated_step(allocator, (b, b), b, 1, 256, llm.runner.page_size,
+                                       llm.config.vocab_size) for b in (1, 16)}
+        for plan in plans[w].values():  # compile and warm
+            llm.runner.execute(plan)
+            llm.runner.execute(plan)
+    times: dict = {(w, b): [] for w in weight_dtypes for b in (1, 16)}
+    for i in range(steps):
+        print(f"\rstep times: {i + 1}/{steps}", end="", file=sys.stderr, flush=True)
+        for w, b in times:
+            start = time.perf_counter()
+            llms[w].runner.execute(plans[w][b])
+            times[w, b].append(time.perf_counter() - start)
+    print(file=sys.stderr)
+    for (w, b), ts in times.items():
+        out[w][f"step_ms_b{b}"] = statistics.median(ts) * 1e3
+    return out
+
+
+def markdown(report: dict) -> str:
+    ref = report["results"][report["reference"]]
+    rows = []
+    for w, r in report["results"].items():
+        agree = [agreement(a, b) for a, b in zip(r["greedy"], ref["greedy"])]
+        rows.append([
+            w, r["stored"], fmt(r["weight_bytes"] / 2**20), fmt(r["log_likelihood"], 4),
+            f"{100 * r['ll_relative_diff']:.2f} % (≤ {100 * BOUNDS[w]:g} %: "
+            f"{'ok' if r['ll_ok'] else 'FAILS'})",
+            " ".join(f"{a}/{NEW_TOKENS}" for a in agree), fmt(r["step_ms_b1"]),
+            fmt(r["step_ms_b16"]), fmt(r["output_tokens_per_s_c16"]),
+        ])
+    table = markdown_table(
+        ["--weight-dtype", "stored", "weights MiB", "mean log-lik/token", "ΔLL vs f32",
+         "greedy agreement (5 prompts)", "decode step b=1 ms", "b=16 ms", "tok/s @ c=16"],
+        rows)
+    text = report["text"]
+    return (f"CPU: {report['cpu']['model']}. Text: {text['path']} ({text['tokens_scored']} "
+            f"tokens scored, sha256 {text['sha256'][:12]}).\n\n{table}")
+
+
+def plot(report: dict, path: Path) -> str | None:
+    plt = pyplot()
+    if plt is None:
+        return None
+    names = list(report["results"])
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
+    for ax, key, label in zip(axes, ("step_ms_b1", "step_ms_b16", "output_tokens_per_s_c16"),
+                              ("decode step, batch 1 (ms)", "decode step, batch 16 (ms)",
+                               "output tok/s at concurrency 16")):
+        ax.bar(names, [report["results"][n][key] for n in names])
+        ax.set_title(label)
+        ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return str(path)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--weight-dtypes", default="auto,bf16,int8,fp8")
+    parser.add_argument("--model", type=Path, default=GGUF)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--out", type=Path, default=RESULTS / "quantization.json")
+    args = parser.parse_args()
+    dtypes = [w.strip() for w in args.weight_dtypes.split(",") if w.strip()]
+    text = TEXT.read_text()
+    results = step_times(args.model, dtypes, args.steps)
+    for w in dtypes:
+        print(f"serving --weight-dtype {w} ...", file=sys.stderr, flush=True)
+        results[w].update(serve_and_measure(args.model, w, text))
+    reference = dtypes[0]
+    base = results[reference]["log_likelihood"]
+    for w, r in results.items():
+        r["ll_relative_diff"] = abs(r["log_likelihood"] - base) / abs(base)
+        r["ll_ok"] = r["ll_relative_diff"] <= BOUNDS[w]
+    report = {
+        "cpu": cpu_description(), "command": "bench/quantization.py " + shlex.join(sys.argv[1:]),
+        "model": str(args.model), "reference": reference,
+        "text": {"path": str(TEXT), "sha256": hashlib.sha256(text.encode()).hexdigest(),
+                 "tokens_scored": results[reference]["tokens_scored"]},
+        "results": results,
+    }
+    report["plot"] = plot(report, args.out.with_suffix(".png"))
+    write_json(args.out, report)
+    text_md = markdown(report)
+    args.out.with_suffix(".md").write_text(text_md + "\n")
+    print(text_md)
+    print(f"\nwrote {args.out}, its .md and .png")
+
+
+if __name__ == "__main__":
+    main()
