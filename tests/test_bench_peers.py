@@ -1,4 +1,5 @@
-"""bench/peers.py: its command line, the transformers peer at tiny scale, the ratio table."""
+"""bench/peers.py: its command line, the transformers peer at tiny scale, the order of
+the runs, the medians and the ratio table."""
 
 import subprocess
 import sys
@@ -51,3 +52,19 @@ def test_ratios_are_jaxserve_over_each_peer():
         "output_tokens_per_s": 2.0, "ttft_ms_p50": 0.25, "ttft_ms_p95": 0.25,
         "tpot_ms_p50": 0.25, "tpot_ms_p95": 0.25,
     }}}
+
+
+def test_runs_go_forward_then_backward():
+    assert list(peers._runs(["a", "b", "c"], 3)) == list("abccbaabc")
+    assert list(peers._runs(["a", "b", "c"], 3, once={"b"})) == list("abcca" "ac")
+
+
+def test_medians_are_per_workload_level_and_metric():
+    def level(tok_s: float, ms: float) -> dict:
+        return {"output_tokens_per_s": tok_s, "ttft_ms": {"p50": ms, "p95": 2 * ms},
+                "tpot_ms": {"p50": ms / 10, "p95": ms / 5}}
+
+    repeats = [{"short": {"4": level(t, ms)}} for t, ms in [(100, 30), (300, 10), (200, 50)]]
+    assert peers.medians(repeats) == {"short": {"4": {
+        "repeats": 3, "output_tokens_per_s": 200, "ttft_ms": {"p50": 30, "p95": 60},
+        "tpot_ms": {"p50": 3, "p95": 6}}}}
