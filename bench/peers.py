@@ -423,9 +423,14 @@ def markdown(report: dict) -> str:
     w = report["workload"]
     runs = ", ".join(f"{p} {len(r['repeats'])}" for p, r in report["peers"].items()
                      if r["status"] == "ok")
+    flags = report["cpu"]["flags"] or ""
+    isa = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_int8")
+           if f in flags.split()]
     parts = [
-        f"CPU: {report['cpu']['model']}. Each figure is the median of a system's runs ({runs}); "
-        "jaxserve ÷ system: > 1 is better for jaxserve in tok/s, < 1 in latency.",
+        f"Made {report['date']} by `{report['command']}` on {report['cpu']['model']} "
+        f"({', '.join(isa) or 'no AVX2'}; every flag in the JSON). Each figure is the median "
+        f"of a system's runs ({runs}); jaxserve ÷ system: > 1 is better for jaxserve in "
+        "tok/s, < 1 in latency.",
     ]
     for name in w["names"]:
         spec = w["workloads"][name]
@@ -506,6 +511,7 @@ def main() -> None:
         if result["status"] == "ok":
             result.update(medians=medians(repeats[peer]), repeats=repeats[peer])
     report = {
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "cpu": cpu_description(),
         "command": "bench/peers.py " + shlex.join(sys.argv[1:]),
         "gguf": str(args.gguf),
