@@ -66,6 +66,7 @@ class LLM:
         self.dtype = jnp.dtype(serving_dtype(cfg.dtype, jax.default_backend()))
         module, self.tokenizer = load(self.model_path, self.dtype, self.mesh, cfg.weight_dtype)
         self.config = module.config
+        self.weight_dtype = projection_dtype(module, self.dtype)
         max_model_len = min(
             cfg.max_model_len or self.config.max_position_embeddings,
             (cfg.num_pages - 1) * cfg.page_size,
@@ -115,17 +116,6 @@ class LLM:
             self.runner, self.scheduler, self.tokenizer, eos, cfg.stream_capacity,
             debug_checks=cfg.debug_checks,
         )
-
-    @property
-    def weight_dtype(self) -> str:
-        """How the projections are stored on the device: float32, bfloat16, int8 or
-        float8_e4m3fn (`weight_dtype` resolved)."""
-        rules = get_model_spec(self.config.architecture).weight_map(self.config)
-        for path, variable in nnx.to_flat_state(self.runner.state):
-            if rules["/".join(str(p) for p in path)].projection:
-                value = variable.get_value()
-                return getattr(value, "values", value).dtype.name
-        return self.dtype.name
 
     @property
     def weight_bytes(self) -> int:
@@ -181,3 +171,14 @@ class LLM:
             )
         ]
         return outputs
+
+
+def projection_dtype(model: nnx.Module, dtype: jnp.dtype) -> str:
+    """How the model's projections are stored: float32, bfloat16, int8 or float8_e4m3fn
+    (`--weight-dtype` resolved; `dtype` for a model without projections)."""
+    rules = get_model_spec(model.config.architecture).weight_map(model.config)
+    for path, variable in nnx.to_flat_state(nnx.state(model)):
+        if rules["/".join(str(p) for p in path)].projection:
+            value = variable.get_value()
+            return getattr(value, "values", value).dtype.name
+    return dtype.name

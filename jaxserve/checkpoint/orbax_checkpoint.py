@@ -24,7 +24,7 @@ from jaxserve.checkpoint.tokenizer import Tokenizer
 from jaxserve.config import ModelConfig, RopeScaling
 from jaxserve.device.sharding import map_params, param_sharding
 from jaxserve.models import get_model_spec, param_axes
-from jaxserve.models.layers import QuantizedWeight, abstract_stored, scale_axes
+from jaxserve.models.layers import QuantizedWeight, abstract_stored, map_stored
 
 CONFIG_FILE = "jaxserve_config.json"
 WEIGHTS_FILE = "jaxserve_weights.json"
@@ -95,19 +95,14 @@ def restore(
     weight_dtype = stored_weight_dtype(path)
     axes = param_axes(config) if mesh is not None else {}
 
-    def placed(x: jax.ShapeDtypeStruct, axes_: tuple | None) -> jax.ShapeDtypeStruct:
-        sharding = None if mesh is None else param_sharding(mesh, axes_, x.shape)
+    def placed(x: jax.ShapeDtypeStruct, x_axes: tuple | None) -> jax.ShapeDtypeStruct:
+        sharding = None if mesh is None else param_sharding(mesh, x_axes, x.shape)
         return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
 
     def abstract_param(name: str, x: jax.ShapeDtypeStruct):
-        if not rules[name].projection:
-            return placed(x, axes.get(name))
-        stored = abstract_stored(x.shape, x.dtype, weight_dtype)
-        if isinstance(stored, QuantizedWeight):
-            return QuantizedWeight(placed(stored.values, axes.get(name)),
-                                   placed(stored.scale, axes.get(name) and
-                                          scale_axes(axes[name])))
-        return placed(stored, axes.get(name))
+        if rules[name].projection:
+            x = abstract_stored(x.shape, x.dtype, weight_dtype)
+        return map_stored(placed, x, axes.get(name))
 
     target = _plain(nnx.to_pure_dict(map_params(abstract_param, state)))
     params = ocp.StandardCheckpointer().restore(path / "params", target)

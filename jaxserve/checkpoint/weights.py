@@ -25,9 +25,9 @@ from jaxserve.checkpoint.model_config import (
     read_hf_config,
 )
 from jaxserve.config import ModelConfig
-from jaxserve.device.sharding import param_sharding
+from jaxserve.device.sharding import map_params, param_sharding
 from jaxserve.models import ModelSpec, WeightRule, get_model_spec, param_axes
-from jaxserve.models.layers import QuantizedWeight, scale_axes, store
+from jaxserve.models.layers import QuantizedWeight, map_stored, store
 
 # GGUF quantization types dequantized here (the ones real Llama-family files use).
 GGUF_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K")
@@ -236,24 +236,21 @@ def store_projections(model: nnx.Module, weight_dtype: str, mesh: Mesh | None = 
     graphdef, state = nnx.split(model)
     rules = get_model_spec(model.config.architecture).weight_map(model.config)
     axes = param_axes(model.config)
-    flat = [
-        (path, variable.replace(place_param(store(np.asarray(variable.get_value()),
-                                                  weight_dtype), mesh, axes[name]))
-         if rules[name].projection else variable)
-        for path, variable in nnx.to_flat_state(state)
-        for name in ["/".join(str(p) for p in path)]
-    ]
-    return nnx.merge(graphdef, nnx.from_flat_state(flat))
+
+    def as_stored(name: str, value):
+        if not rules[name].projection:
+            return value
+        return place_param(store(np.asarray(value), weight_dtype), mesh, axes[name])
+
+    return nnx.merge(graphdef, map_params(as_stored, state))
 
 
 def place_param(value: np.ndarray | QuantizedWeight, mesh: Mesh | None,
                 axes: tuple[str | None, ...] | None) -> jax.Array | QuantizedWeight:
     """A host parameter on the device, or sharded over `mesh` by its logical `axes` (a
     QuantizedWeight's scale by its weight's output axis)."""
-    if isinstance(value, QuantizedWeight):
-        return QuantizedWeight(place_param(value.values, mesh, axes),
-                               place_param(value.scale, mesh, axes and scale_axes(axes)))
-    return jnp.asarray(value) if mesh is None else _place(value, mesh, axes)
+    return map_stored(lambda array, array_axes: jnp.asarray(array) if mesh is None
+                      else _place(array, mesh, array_axes), value, axes)
 
 
 def _place(array: np.ndarray, mesh: Mesh, axes: tuple[str | None, ...]) -> jax.Array:

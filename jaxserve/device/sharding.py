@@ -135,15 +135,12 @@ def state_shardings(
     `axes` giving each parameter path's logical axes (a quantized weight's scale: its
     weight's, less the input axis)."""
     # imported here: jaxserve.models imports this module
-    from jaxserve.models.layers import QuantizedWeight, scale_axes
+    from jaxserve.models.layers import map_stored
 
-    def sharding(path: str, x) -> NamedSharding | QuantizedWeight:
-        if isinstance(x, QuantizedWeight):
-            return QuantizedWeight(param_sharding(mesh, axes[path], x.values.shape),
-                                   param_sharding(mesh, scale_axes(axes[path]), x.scale.shape))
-        return param_sharding(mesh, axes[path], x.shape)
+    def sharding(array, array_axes) -> NamedSharding:
+        return param_sharding(mesh, array_axes, array.shape)
 
-    return map_params(sharding, state)
+    return map_params(lambda path, x: map_stored(sharding, x, axes[path]), state)
 
 
 @dataclass(frozen=True)

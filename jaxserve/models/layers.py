@@ -69,6 +69,11 @@ def abstract_stored(shape: tuple[int, ...], dtype: jnp.dtype, weight_dtype: str
     return jax.ShapeDtypeStruct(shape, FLOAT_STORAGE.get(weight_dtype, dtype))
 
 
-def scale_axes(axes: tuple[str | None, ...]) -> tuple[str | None, ...]:
-    """A QuantizedWeight's scale's logical axes: its weight's, less the input axis."""
-    return axes[:-2] + axes[-1:]
+def map_stored(fn, value, axes: tuple[str | None, ...] | None):
+    """fn(array, its logical axes) over a stored weight: a plain array, or a
+    QuantizedWeight's values (the weight's axes) and scale (those less the input axis).
+    Placing, sharding and restoring a weight all go through here."""
+    if isinstance(value, QuantizedWeight):
+        return QuantizedWeight(fn(value.values, axes),
+                               fn(value.scale, axes and axes[:-2] + axes[-1:]))
+    return fn(value, axes)
