@@ -2,8 +2,12 @@
 
 Page size 16 with head size 64 or 128 runs the kernel's specialized loops; the other
 shapes run its generic ones. Rows mix decodes, whole prefills and chunks with ragged
-lengths, with padding rows and tokens, as the engine packs them.
+lengths, with padding rows and tokens, as the engine packs them. Quantized pools (bf16,
+int8 with scales, fp8) are checked against the reference on the same pool dequantized
+by kv_cache.dequantize: both see identical values, so they agree to f32 rounding.
 """
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -11,7 +15,9 @@ import numpy as np
 import pytest
 
 from jaxserve.cpu_kernels import build
-from jaxserve.cpu_kernels.paged_attention import available, cpu_paged_attention
+from jaxserve.cpu_kernels.paged_attention import TARGET, available, cpu_paged_attention
+from jaxserve.device import kv_cache
+from jaxserve.device.kv_cache import KV_STORAGE
 from jaxserve.pallas_kernels.reference import ragged_paged_attention_reference_lens
 
 pytestmark = pytest.mark.skipif(not available(), reason="no C++ compiler here")
@@ -22,6 +28,7 @@ NUM_TOKENS = 96
 RTOL, ATOL = 1e-5, 1e-6
 # (page size, head size, query heads per KV head, KV heads)
 SHAPES = [(16, 64, 3, 3), (16, 128, 4, 2), (16, 64, 1, 2), (4, 16, 8, 1), (8, 32, 2, 3)]
+QUANTIZED = ("bf16", "int8", "fp8")
 
 
 def rows_cases(rng: np.random.Generator, page_size: int) -> list[list[tuple[int, int]]]:
@@ -59,6 +66,17 @@ def reference(q, k, v, cu_q_lens, kv_lens, page_table, scale) -> np.ndarray:
             *f64, cu_q_lens, kv_lens, page_table, scale))
 
 
+def store(x: np.ndarray, storage: str) -> tuple[jax.Array, jax.Array | None, np.ndarray]:
+    """x (f32, [..., head_dim]) as `storage` keeps it: the values, their scales (int8) or
+    None, and what they dequantize to in f32."""
+    values, scale = kv_cache.quantize(jnp.asarray(x), KV_STORAGE[storage])
+    return values, scale, np.asarray(kv_cache.dequantize(values, scale, jnp.float32))
+
+
+def scales(k_scale, v_scale) -> dict:
+    return {} if k_scale is None else {"k_scale": k_scale, "v_scale": v_scale}
+
+
 @pytest.mark.parametrize(("page_size", "head_dim", "group", "num_kv_heads"), SHAPES)
 def test_matches_the_reference_on_every_layer(page_size, head_dim, group, num_kv_heads):
     rng = np.random.default_rng(page_size * head_dim + group)
@@ -80,9 +98,103 @@ def test_matches_the_reference_on_every_layer(page_size, head_dim, group, num_kv
             assert not got[cu_q_lens[-1]:].any(), "padding tokens must output zeros"
 
 
-def test_stale_slots_junk_pages_and_padding_do_not_leak():
+@pytest.mark.parametrize("storage", QUANTIZED)
+@pytest.mark.parametrize(("page_size", "head_dim", "group", "num_kv_heads"),
+                         [(16, 64, 3, 2), (8, 32, 2, 3)])
+def test_quantized_pools_match_the_reference_on_their_dequantized_values(
+        storage, page_size, head_dim, group, num_kv_heads):
+    """Every layer of a whole cache with a layer index, and one layer's pool alone."""
+    rng = np.random.default_rng(page_size * head_dim + group + len(storage))
+    num_layers = 2
+    shape = (num_layers, num_kv_heads, NUM_PAGES, page_size, head_dim)
+    k, k_scale, k_f32 = store(rng.standard_normal(shape, np.float32), storage)
+    v, v_scale, v_f32 = store(rng.standard_normal(shape, np.float32), storage)
+    assert k.dtype == KV_STORAGE[storage] and (k_scale is None) == (storage != "int8")
+    scale = head_dim**-0.5
+    run = jax.jit(lambda *a, **s: cpu_paged_attention(*a, scale=scale, **s))
+    for rows in rows_cases(rng, page_size)[:3]:
+        q_lens = [q for q, _ in rows]
+        cu_q_lens = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+        kv_lens = np.array([kv for _, kv in rows], np.int32)
+        table = assign_pages(rng, kv_lens, page_size)
+        q = rng.standard_normal((NUM_TOKENS, group * num_kv_heads, head_dim), np.float32)
+        for layer in range(num_layers):
+            got = np.asarray(run(q, k, v, cu_q_lens, kv_lens, table, layer,
+                                 **scales(k_scale, v_scale)))
+            want = reference(q, k_f32[layer], v_f32[layer], cu_q_lens, kv_lens, table, scale)
+            np.testing.assert_allclose(got, want, rtol=RTOL, atol=ATOL, err_msg=str(rows))
+            assert not got[cu_q_lens[-1]:].any(), "padding tokens must output zeros"
+        one_layer = scales(*(None if s is None else s[1] for s in (k_scale, v_scale)))
+        alone = np.asarray(run(q, k[1], v[1], cu_q_lens, kv_lens, table, **one_layer))
+        np.testing.assert_array_equal(alone, got)
+
+
+@pytest.mark.parametrize("storage", QUANTIZED)
+def test_every_stored_value_is_dequantized_exactly(storage):
+    """One query over one key: the output is that key's value row, bit for bit. The row
+    holds every bf16 and fp8 bit pattern (NaNs, infinities, subnormals) and every
+    int8 value, -128 included, times a scale."""
+    codes = {
+        "bf16": np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(jnp.bfloat16),
+        "fp8": np.arange(256, dtype=np.uint32).astype(np.uint8).view(jnp.float8_e4m3fn),
+        "int8": np.arange(-128, 128, dtype=np.int8),
+    }[storage]
+    head_dim = codes.size
+    v = np.zeros((1, 1, 2, 4, head_dim), codes.dtype)
+    v[0, 0, 1, 0] = codes
+    k = np.zeros_like(v)
+    scaled = {}
+    v_scale = None
+    if storage == "int8":
+        v_scale = np.zeros((1, 1, 2, 4), np.float32)
+        v_scale[0, 0, 1, 0] = 0.3712
+        scaled = {"k_scale": jnp.asarray(np.ones_like(v_scale)), "v_scale": jnp.asarray(v_scale)}
+    got = cpu_paged_attention(
+        jnp.zeros((1, 1, head_dim), jnp.float32), jnp.asarray(k), jnp.asarray(v),
+        jnp.array([0, 1], jnp.int32), jnp.array([1], jnp.int32), jnp.array([[1]], jnp.int32),
+        0, scale=1.0, **scaled)
+    want = kv_cache.dequantize(jnp.asarray(codes), None if v_scale is None else
+                               jnp.asarray(v_scale[0, 0, 1, 0]), jnp.float32)
+    got, want = np.asarray(got)[0, 0], np.asarray(want)
+    # XLA runs the kernel with denormals flushed: bf16's f32-subnormal values read as 0,
+    # as they would in an f32 pool (and -0 comes out as 0, the accumulator's zero plus it)
+    want = np.where(np.abs(want) < np.finfo(np.float32).tiny, 0, want)
+    if storage == "fp8":  # e4m3fn: S.1111.111 is NaN, and nothing is infinite
+        assert np.isnan(got).sum() == 2 and np.isinf(got).sum() == 0
+    np.testing.assert_array_equal(got, want)
+
+
+def test_int8_scales_are_applied_per_token():
+    """The kernel's int8 output is the reference's on values × scales, not on the raw
+    values, and scaling V's scales by 2 scales the output by exactly 2."""
+    rng = np.random.default_rng(11)
+    page_size, head_dim, rows = 16, 64, [(1, 37), (20, 20), (3, 50)]
+    shape = (1, 2, NUM_PAGES, page_size, head_dim)
+    k, k_scale, k_f32 = store(rng.standard_normal(shape, np.float32) * 3, "int8")
+    v, v_scale, v_f32 = store(rng.standard_normal(shape, np.float32) * 3, "int8")
+    cu_q_lens = np.concatenate([[0], np.cumsum([q for q, _ in rows])]).astype(np.int32)
+    kv_lens = np.array([kv for _, kv in rows], np.int32)
+    table = assign_pages(rng, kv_lens, page_size)
+    q = rng.standard_normal((32, 4, head_dim), np.float32)
+    run = functools.partial(cpu_paged_attention, q, k, v, cu_q_lens, kv_lens, table, 0,
+                            scale=0.1)
+    got = np.asarray(run(k_scale=k_scale, v_scale=v_scale))
+    want = reference(q, k_f32[0], v_f32[0], cu_q_lens, kv_lens, table, 0.1)
+    np.testing.assert_allclose(got, want, rtol=RTOL, atol=ATOL)
+    raw = reference(q, np.asarray(k[0], np.float32), np.asarray(v[0], np.float32), cu_q_lens,
+                    kv_lens, table, 0.1)
+    assert not np.allclose(got, raw, rtol=0.1, atol=0.1), "the scales must be applied"
+    swapped = np.asarray(run(k_scale=v_scale, v_scale=k_scale))
+    assert not np.allclose(got, swapped, rtol=1e-3, atol=1e-3), "K's scales are not V's"
+    doubled = np.asarray(run(k_scale=k_scale, v_scale=v_scale * 2))
+    np.testing.assert_array_equal(doubled, got * 2)
+
+
+@pytest.mark.parametrize("storage", ["f32", *QUANTIZED])
+def test_stale_slots_junk_pages_and_padding_do_not_leak(storage):
     """NaN in the null page, in the slots past each row's length and in padding queries,
-    out-of-range ids past each row's pages: the output is finite and unchanged."""
+    out-of-range ids past each row's pages: the output is finite and unchanged. (In an
+    int8 pool a NaN vector stores a NaN scale.)"""
     rng = np.random.default_rng(7)
     page_size, rows = 16, [(1, 37), (5, 23), (0, 0), (16, 16), (2, 15)]
     shape = (1, 2, NUM_PAGES, page_size, 64)
@@ -91,7 +203,13 @@ def test_stale_slots_junk_pages_and_padding_do_not_leak():
     kv_lens = np.array([kv for _, kv in rows], np.int32)
     table = assign_pages(rng, kv_lens, page_size)
     q = rng.standard_normal((32, 6, 64), np.float32)
-    clean = np.asarray(cpu_paged_attention(q, k, v, cu_q_lens, kv_lens, table, 0, scale=0.1))
+
+    def run(q, k, v, table):
+        (k, k_scale, _), (v, v_scale, _) = store(k, storage), store(v, storage)
+        return np.asarray(cpu_paged_attention(q, k, v, cu_q_lens, kv_lens, table, 0,
+                                               scale=0.1, **scales(k_scale, v_scale)))
+
+    clean = run(q, k, v, table)
     k_bad, v_bad, q_bad, table_bad = k.copy(), v.copy(), q.copy(), table.copy()
     q_bad[cu_q_lens[-1]:] = np.nan
     for x in (k_bad, v_bad):
@@ -101,19 +219,50 @@ def test_stale_slots_junk_pages_and_padding_do_not_leak():
                 x[:, :, table[row, n // page_size], n % page_size:] = np.nan
     for row, n in enumerate(-(-kv_lens // page_size)):
         table_bad[row, n:] = rng.integers(-NUM_PAGES, 100 * NUM_PAGES, MAX_PAGES - n)
-    dirty = np.asarray(cpu_paged_attention(q_bad, k_bad, v_bad, cu_q_lens, kv_lens, table_bad,
-                                           0, scale=0.1))
+    dirty = run(q_bad, k_bad, v_bad, table_bad)
     assert np.isfinite(dirty).all()
     np.testing.assert_array_equal(dirty, clean)
 
 
-def test_only_f32_is_taken():
-    q = jnp.zeros((4, 2, 16), jnp.bfloat16)
-    pool = jnp.zeros((1, 2, 8, 4, 16), jnp.bfloat16)
-    lens = jnp.zeros((2,), jnp.int32)
-    with pytest.raises(ValueError, match="f32 only"):
-        cpu_paged_attention(q, pool, pool, jnp.zeros((3,), jnp.int32), lens,
-                            jnp.zeros((2, 2), jnp.int32), 0, scale=1.0)
+def call(q_dtype=jnp.float32, pool_dtype=jnp.float32, **scales):
+    q = jnp.zeros((4, 2, 16), q_dtype)
+    pool = jnp.zeros((1, 2, 8, 4, 16), pool_dtype)
+    return cpu_paged_attention(q, pool, pool, jnp.zeros((3,), jnp.int32),
+                               jnp.zeros((2,), jnp.int32), jnp.zeros((2, 2), jnp.int32), 0,
+                               scale=1.0, **scales)
+
+
+def test_q_is_f32_only_and_the_pool_a_storage_it_reads():
+    with pytest.raises(ValueError, match="f32 q only"):
+        call(q_dtype=jnp.bfloat16, pool_dtype=jnp.bfloat16)
+    with pytest.raises(ValueError, match="reads pools of"):
+        call(pool_dtype=jnp.float16)
+
+
+def test_int8_pools_need_their_scales_and_no_other_takes_any():
+    scale = jnp.zeros((1, 2, 8, 4), jnp.float32)
+    with pytest.raises(ValueError, match="int8 pages need k_scale"):
+        call(pool_dtype=jnp.int8)
+    with pytest.raises(ValueError, match="v_scale must be f32"):
+        call(pool_dtype=jnp.int8, k_scale=scale, v_scale=scale[..., :2])
+    for dtype in (jnp.float32, jnp.bfloat16, jnp.float8_e4m3fn):
+        with pytest.raises(ValueError, match="take no scales"):
+            call(pool_dtype=dtype, k_scale=scale, v_scale=scale)
+    assert call(pool_dtype=jnp.int8, k_scale=scale, v_scale=scale).shape == (4, 2, 16)
+
+
+def test_the_kernel_itself_refuses_other_dtypes_and_misshapen_scales():
+    """The C++ checks, past the wrapper's: an f16 pool, int8 scales not shaped like it."""
+    ffi = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((4, 2, 16), jnp.float32))
+    ints = (jnp.zeros((3,), jnp.int32), jnp.zeros((2,), jnp.int32),
+            jnp.zeros((2, 2), jnp.int32), jnp.zeros((1,), jnp.int32))
+    q, dummy = jnp.zeros((4, 2, 16), jnp.float32), jnp.zeros((1,), jnp.float32)
+    f16 = jnp.zeros((1, 2, 8, 4, 16), jnp.float16)
+    with pytest.raises(Exception, match="must be f32, bf16, s8 or f8e4m3fn"):
+        jax.block_until_ready(ffi(q, f16, f16, dummy, dummy, *ints, scale=np.float32(1)))
+    s8 = jnp.zeros((1, 2, 8, 4, 16), jnp.int8)
+    with pytest.raises(Exception, match="s8 k/v need scales"):
+        jax.block_until_ready(ffi(q, s8, s8, dummy, dummy, *ints, scale=np.float32(1)))
 
 
 def test_the_library_is_built_once_and_keyed_by_its_inputs(tmp_path, monkeypatch):

@@ -5,6 +5,7 @@ shapes fixed across its cases, so a kernel compiles once per test and the cases 
 data: lengths, page ids and queries.
 """
 
+import functools
 import re
 
 import jax
@@ -12,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxserve.device import kv_cache
 from jaxserve.pallas_kernels.blocked_jnp import blocked_paged_attention, tile_shape
 from jaxserve.pallas_kernels.paged_attention import fit_pages_per_block, paged_attention
 from jaxserve.pallas_kernels.ragged_attention import ragged_paged_attention
@@ -388,27 +390,279 @@ def test_gpu_tiles_are_checked_unless_interpreting():
 
 
 @pytest.mark.parametrize(
-    ("num_heads", "num_kv_heads", "head_dim", "dtype"),
-    [(32, 8, 128, jnp.bfloat16), (6, 2, 64, jnp.float32)],
-    ids=["llama3-8b-bf16", "group3-f32"],
+    ("num_heads", "num_kv_heads", "head_dim", "dtype", "q_dtype"),
+    [(32, 8, 128, jnp.bfloat16, jnp.float32), (6, 2, 64, jnp.float32, jnp.float32),
+     (32, 8, 128, jnp.int8, jnp.bfloat16), (6, 2, 64, jnp.float8_e4m3fn, jnp.float32)],
+    ids=["llama3-8b-bf16", "group3-f32", "llama3-8b-int8", "group3-fp8"],
 )
-def test_kernels_lower_to_triton_for_cuda(num_heads, num_kv_heads, head_dim, dtype):
-    """Pallas -> Triton IR runs without a GPU: it catches what the Triton backend rejects."""
+def test_kernels_lower_to_triton_for_cuda(num_heads, num_kv_heads, head_dim, dtype, q_dtype):
+    """Pallas -> Triton IR runs without a GPU: it catches what the Triton backend rejects
+    (int8 pools with their scales, dequantized in the kernel, included)."""
     s = jax.ShapeDtypeStruct
+
+    def scales(pool):
+        if dtype != jnp.int8:
+            return {}
+        return {name: s(pool.shape[:-1], jnp.float32) for name in ("k_scale", "v_scale")}
+
     pool = s((num_kv_heads, 65, 16, head_dim), dtype)
     index = [s((4,), jnp.int32), s((4, 16), jnp.int32)]
     decode = paged_attention.trace(
-        s((4, num_heads, head_dim), jnp.float32), pool, pool, *index, scale=0.1, num_kv_splits=2
+        s((4, num_heads, head_dim), q_dtype), pool, pool, *index, scale=0.1, num_kv_splits=2,
+        **scales(pool),
     ).lower(lowering_platforms=("cuda",))
     ragged = ragged_paged_attention.trace(
-        s((40, num_heads, head_dim), jnp.float32), pool, pool, s((5,), jnp.int32), *index,
-        scale=0.1,
+        s((40, num_heads, head_dim), q_dtype), pool, pool, s((5,), jnp.int32), *index,
+        scale=0.1, **scales(pool),
     ).lower(lowering_platforms=("cuda",))
     cache = s((2, num_kv_heads, 65, 16, head_dim), dtype)  # every layer, read at layer 1
     layered = ragged_paged_attention.trace(
-        s((40, num_heads, head_dim), jnp.float32), cache, cache, s((5,), jnp.int32), *index,
-        s((), jnp.int32), scale=0.1,
+        s((40, num_heads, head_dim), q_dtype), cache, cache, s((5,), jnp.int32), *index,
+        s((), jnp.int32), scale=0.1, **scales(cache),
     ).lower(lowering_platforms=("cuda",))
     for lowered in (decode, ragged, layered):
         assert "xla.gpu.triton" in lowered.as_text()
 
+
+# -- KV storages (--kv-dtype): bf16, int8 with per-token scales, fp8 ----------------------
+
+STORAGES = ["bf16", "int8", "fp8"]
+STORAGE_GQA = [(3, 2), (8, 1)]  # a padded group of 3, and every query head on one KV head
+storage_gqa_ids = [f"group{g}" for g, _ in STORAGE_GQA]
+NUM_LAYERS = 2
+
+
+def stored_cache(rng, num_kv_heads, storage, num_layers=None):
+    """A random f32 cache ([num_layers, ...], or one layer's pool without num_layers) as
+    `storage` stores it, {k, v, k_scale, v_scale} (scales None unless int8), and the f32
+    values it dequantizes to. Token vectors' magnitudes spread over [1/4, 4], so their
+    int8 scales differ from token to token."""
+    layers = () if num_layers is None else (num_layers,)
+    shape = (*layers, num_kv_heads, NUM_PAGES, PAGE_SIZE, HEAD_DIM)
+    stored, exact = {}, []
+    for name in "kv":
+        x = rng.standard_normal(shape, np.float32)
+        x *= np.exp2(rng.uniform(-2, 2, shape[:-1] + (1,))).astype(np.float32)
+        values, scale = kv_cache.quantize(jnp.asarray(x), kv_cache.KV_STORAGE[storage])
+        assert values.dtype == kv_cache.KV_STORAGE[storage]
+        stored[name], stored[f"{name}_scale"] = values, scale
+        exact.append(np.asarray(kv_cache.dequantize(values, scale, jnp.float32)))
+    return stored, exact
+
+
+def scales_of(stored, layer=None):
+    """The storage's scale keyword arguments, of one layer where given."""
+    if stored["k_scale"] is None:
+        return {}
+    pick = (lambda x: x) if layer is None else (lambda x: x[layer])
+    return {"k_scale": pick(stored["k_scale"]), "v_scale": pick(stored["v_scale"])}
+
+
+@pytest.mark.parametrize("storage", STORAGES)
+def test_reference_with_scales_is_the_reference_on_the_dequantized_pool(storage):
+    rng = np.random.default_rng(300)
+    stored, (k, v) = stored_cache(rng, 2, storage)
+    kv_lens = np.array([LONG, 9, 1, 0], np.int32)
+    rows = [(1, LONG), (9, 9), (1, 1), (0, 0)]
+    seq_ids, positions = packed(rows[:-1], 16)
+    page_table = assign_pages(rng, kv_lens)
+    q = rng.standard_normal((16, 6, HEAD_DIM), np.float32)
+    args = (seq_ids, positions, page_table, SCALE)
+    got = ragged_paged_attention_reference(q, stored["k"], stored["v"], *args,
+                                           **scales_of(stored))
+    want = ragged_paged_attention_reference(q, k, v, *args)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    decode = paged_attention_reference(q[:4], stored["k"], stored["v"], kv_lens, page_table,
+                                       SCALE, **scales_of(stored))
+    np.testing.assert_array_equal(
+        np.asarray(decode), np.asarray(paged_attention_reference(q[:4], k, v, kv_lens,
+                                                                 page_table, SCALE)))
+    cu_q_lens = cu_lens([q_len for q_len, _ in rows])
+    lens = ragged_paged_attention_reference_lens(q, stored["k"], stored["v"], cu_q_lens,
+                                                 kv_lens, page_table, SCALE,
+                                                 **scales_of(stored))
+    np.testing.assert_array_equal(
+        np.asarray(lens), np.asarray(ragged_paged_attention_reference_lens(
+            q, k, v, cu_q_lens, kv_lens, page_table, SCALE)))
+    if storage == "int8":  # the stored values alone are nowhere near
+        unscaled = ragged_paged_attention_reference(
+            q, stored["k"].astype(jnp.float32), stored["v"].astype(jnp.float32), *args)
+        assert not np.allclose(np.asarray(unscaled), np.asarray(want), atol=0.1)
+
+
+@pytest.mark.parametrize(("group", "num_kv_heads"), STORAGE_GQA, ids=storage_gqa_ids)
+@pytest.mark.parametrize("storage", STORAGES)
+def test_blocked_reads_every_storage(storage, group, num_kv_heads):
+    """A whole cache in `storage` read at a layer, mixed prefill and decode rows, against
+    the reference on the dequantized pool."""
+    rng = np.random.default_rng(400 + group)
+    stored, (k, v) = stored_cache(rng, num_kv_heads, storage, NUM_LAYERS)
+    for rows in ragged_cases(rng, num_random=1):
+        seq_ids, positions = packed(rows, NUM_TOKENS)
+        kv_lens = np.array([kv for _, kv in rows] + [0], np.int32)
+        page_table = assign_pages(rng, kv_lens)
+        q = rng.standard_normal((NUM_TOKENS, group * num_kv_heads, HEAD_DIM), np.float32)
+        for layer in range(NUM_LAYERS):
+            got = blocked_paged_attention(
+                q, stored["k"], stored["v"], jnp.int32(layer), seq_ids, positions,
+                page_table, SCALE, pages_per_block=PAGES_PER_BLOCK, **scales_of(stored),
+            )
+            want = in_f64(ragged_paged_attention_reference, q, k[layer], v[layer], seq_ids,
+                          positions, page_table)
+            live = sum(q_len for q_len, _ in rows)
+            np.testing.assert_allclose(np.asarray(got)[:live], want[:live], rtol=RTOL,
+                                       atol=ATOL, err_msg=f"layer {layer}: {rows}")
+
+
+@pytest.mark.parametrize(("group", "num_kv_heads"), STORAGE_GQA, ids=storage_gqa_ids)
+@pytest.mark.parametrize("storage", STORAGES)
+def test_ragged_reads_every_storage(storage, group, num_kv_heads):
+    """The Pallas ragged kernel over a whole cache in `storage`, read at its last layer."""
+    rng = np.random.default_rng(500 + group)
+    stored, (k, v) = stored_cache(rng, num_kv_heads, storage, NUM_LAYERS)
+    layer = NUM_LAYERS - 1
+    for rows in ragged_cases(rng, num_random=1):
+        cu_q_lens = cu_lens([q for q, _ in rows])
+        kv_lens = np.array([kv for _, kv in rows], np.int32)
+        page_table = assign_pages(rng, kv_lens)
+        q = rng.standard_normal((NUM_TOKENS, group * num_kv_heads, HEAD_DIM), np.float32)
+        got = np.asarray(ragged_paged_attention(
+            q, stored["k"], stored["v"], cu_q_lens, kv_lens, page_table, jnp.int32(layer),
+            scale=SCALE, block_q=BLOCK_Q, pages_per_block=PAGES_PER_BLOCK, interpret=True,
+            **scales_of(stored),
+        ))
+        want = in_f64(ragged_paged_attention_reference_lens, q, k[layer], v[layer], cu_q_lens,
+                      kv_lens, page_table)
+        np.testing.assert_allclose(got, want, rtol=RTOL, atol=ATOL, err_msg=str(rows))
+        assert got.dtype == np.float32
+
+
+@pytest.mark.parametrize("storage", STORAGES)
+def test_decode_reads_every_storage(storage):
+    """The Pallas decode kernel over one layer's pool in `storage` (scales [H, P, S]), the
+    edge lengths and a random batch, with and without KV splits."""
+    rng = np.random.default_rng(600)
+    stored, (k, v) = stored_cache(rng, 2, storage)
+    for kv_lens in decode_cases(rng, num_random=1):
+        page_table = assign_pages(rng, kv_lens)
+        q = rng.standard_normal((len(kv_lens), 6, HEAD_DIM), np.float32)
+        want = in_f64(paged_attention_reference, q, k, v, kv_lens, page_table)
+        for splits in (1, 3):
+            got = np.asarray(paged_attention(
+                q, stored["k"], stored["v"], kv_lens, page_table, scale=SCALE,
+                pages_per_block=PAGES_PER_BLOCK, num_kv_splits=splits, interpret=True,
+                **scales_of(stored),
+            ))
+            np.testing.assert_allclose(got, want, rtol=RTOL, atol=ATOL,
+                                       err_msg=f"{splits} splits: {kv_lens}")
+            assert not got[kv_lens == 0].any(), "padding rows must output zeros"
+
+
+def test_bf16_queries_over_an_int8_cache_stay_bf16():
+    """q is never cast to the storage: a bf16 q reads an int8 cache dequantized to bf16."""
+    rng = np.random.default_rng(700)
+    stored, (k, v) = stored_cache(rng, 2, "int8", NUM_LAYERS)
+    kv_lens = np.array([LONG, 5, 1], np.int32)
+    page_table = assign_pages(rng, kv_lens)
+    q = jnp.asarray(rng.standard_normal((3, 6, HEAD_DIM), np.float32), jnp.bfloat16)
+    want = in_f64(paged_attention_reference, q, k[1], v[1], kv_lens, page_table)
+    got = paged_attention(
+        q, stored["k"], stored["v"], kv_lens, page_table, jnp.int32(1), scale=SCALE,
+        pages_per_block=PAGES_PER_BLOCK, interpret=True, **scales_of(stored),
+    )
+    assert got.dtype == jnp.bfloat16
+    np.testing.assert_allclose(np.asarray(got, np.float32), want, rtol=0.05, atol=0.05)
+
+
+def every_implementation(stored, layer, rows, page_table, q):
+    """Each implementation's output over the whole cache `stored` at `layer`, with the
+    storage's scales as given in `stored`."""
+    cu_q_lens = cu_lens([q_len for q_len, _ in rows])
+    kv_lens = np.array([kv for _, kv in rows], np.int32)
+    seq_ids, positions = packed(rows, len(q))
+    scales = scales_of(stored)
+    tiles = {"pages_per_block": PAGES_PER_BLOCK}
+    return {
+        "reference": ragged_paged_attention_reference(
+            q, stored["k"][layer], stored["v"][layer], seq_ids, positions, page_table, SCALE,
+            **scales_of(stored, layer),
+        ),
+        "blocked": blocked_paged_attention(
+            q, stored["k"], stored["v"], jnp.int32(layer), seq_ids, positions, page_table,
+            SCALE, **tiles, **scales,
+        ),
+        "ragged": ragged_paged_attention(
+            q, stored["k"], stored["v"], cu_q_lens, kv_lens, page_table, jnp.int32(layer),
+            scale=SCALE, block_q=BLOCK_Q, interpret=True, **tiles, **scales,
+        ),
+        "decode": paged_attention(
+            q, stored["k"], stored["v"], kv_lens, page_table, jnp.int32(layer), scale=SCALE,
+            interpret=True, **tiles, **scales,
+        ),
+    }
+
+
+def test_int8_scales_are_applied_per_token():
+    """Scales are read, and for the right tokens: doubling every V scale doubles each output
+    exactly, and rescaling a few tokens' K and V changes their row's output as the
+    reference on the rescaled pool says, and no other row's."""
+    rng = np.random.default_rng(800)
+    stored, _ = stored_cache(rng, 2, "int8", NUM_LAYERS)
+    rows = [(1, LONG), (1, 9), (1, 1)]  # decodes, which every implementation takes
+    page_table = assign_pages(rng, np.array([kv for _, kv in rows], np.int32))
+    q = rng.standard_normal((len(rows), 6, HEAD_DIM), np.float32)
+    base = every_implementation(stored, 1, rows, page_table, q)
+    doubled = every_implementation({**stored, "v_scale": stored["v_scale"] * 2}, 1, rows,
+                                   page_table, q)
+    # a few tokens of the long row, K and V each scaled by a different factor
+    page = page_table[0, 3]
+    k_scale = stored["k_scale"].at[1, :, page, 1:3].multiply(jnp.float32(3.0))
+    v_scale = stored["v_scale"].at[1, :, page, 2:].multiply(jnp.float32(0.25))
+    rescaled = every_implementation({**stored, "k_scale": k_scale, "v_scale": v_scale}, 1,
+                                    rows, page_table, q)
+    want = np.asarray(rescaled["reference"])
+    assert not np.allclose(want[0], np.asarray(base["reference"])[0], atol=1e-3)
+    np.testing.assert_array_equal(want[1:], np.asarray(base["reference"])[1:])
+    for name in base:
+        np.testing.assert_array_equal(np.asarray(doubled[name]), 2 * np.asarray(base[name]),
+                                      err_msg=name)
+        np.testing.assert_allclose(np.asarray(rescaled[name]), want, rtol=RTOL, atol=ATOL,
+                                   err_msg=name)
+
+
+def test_scales_go_with_int8_pages_only():
+    """int8 pages without scales, or scales of the wrong shape, or scales with another
+    storage, raise in every implementation."""
+    q, k, _, kv_lens, page_table = decode_args()
+    s = jax.ShapeDtypeStruct
+    i32 = jnp.int32
+    pool, cache = s(k.shape, jnp.int8), s((2, *k.shape), jnp.int8)
+    seq_ids = positions = s((3,), i32)
+    calls = {  # each implementation's call on an int8 pool, and its scales' shape
+        "decode": (lambda **kw: paged_attention.trace(
+            q, pool, pool, kv_lens, page_table, scale=SCALE, interpret=True, **kw), pool),
+        "ragged": (lambda **kw: ragged_paged_attention.trace(
+            q, cache, cache, s((4,), i32), kv_lens, page_table, s((), i32), scale=SCALE,
+            interpret=True, **kw), cache),
+        "reference": (lambda **kw: jax.eval_shape(
+            functools.partial(ragged_paged_attention_reference, scale=SCALE),
+            q, pool, pool, seq_ids, positions, page_table, **kw), pool),
+        "blocked": (lambda **kw: jax.eval_shape(
+            functools.partial(blocked_paged_attention, scale=SCALE),
+            q, cache, cache, s((), i32), seq_ids, positions, page_table, **kw), cache),
+    }
+    for call, pages in calls.values():
+        scale = s(pages.shape[:-1], jnp.float32)
+        call(k_scale=scale, v_scale=scale)  # what it takes
+        with pytest.raises(ValueError, match="int8 pages need k_scale"):
+            call()
+        with pytest.raises(ValueError, match="int8 pages need v_scale"):
+            call(k_scale=scale)
+        want = f"v_scale must be f32{list(pages.shape[:-1])}"
+        with pytest.raises(ValueError, match=re.escape(want)):
+            call(k_scale=scale, v_scale=s(pages.shape[:-2], jnp.float32))
+    k_fp8 = s(k.shape, jnp.float8_e4m3fn)
+    scale = s(k.shape[:-1], jnp.float32)
+    with pytest.raises(ValueError, match="float8_e4m3fn pages take no scales"):
+        ragged_paged_attention.trace(q, k_fp8, k_fp8, s((4,), i32), kv_lens, page_table,
+                                     scale=SCALE, k_scale=scale, v_scale=scale)

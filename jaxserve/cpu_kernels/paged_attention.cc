@@ -10,16 +10,25 @@
 // row r's tokens are q[cu_q_lens[r]:cu_q_lens[r+1]], the last of its kv_lens[r] keys;
 // token t sits at position kv_lens[r] - (cu_q_lens[r+1] - t) and sees keys 0..position.
 // Padding tokens (from cu_q_lens[num_rows] on) and tokens with no key get zeros.
+//
+// Storage (kv_cache.py's --kv-dtype): f32 pages are read in place as above. bf16, int8
+// (times its f32 scale per token and head) and fp8 e4m3fn pages are first dequantized,
+// one page's K and V at a time, into f32 scratch of the thread: the same attention loops
+// then run on every storage, a page's [page_size, head_dim] tile is converted once however
+// many queries read it, and the scratch stays in L1. q and the output are f32.
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <bit>
 #include <cmath>
 #include <condition_variable>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <memory>
 #include <mutex>
+#include <type_traits>
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
@@ -50,10 +59,69 @@ inline float ExpNonPositive(float x) {
   return p * std::bit_cast<float>(bits);
 }
 
+// How pages are stored, and how one page's first `keys` keys become f32 (`scale`: the
+// page's scales, int8 only). F32 is read in place, never converted.
+struct F32 {
+  using Stored = float;
+};
+
+struct Bf16 {
+  using Stored = uint16_t;
+  static void Load(const uint16_t* __restrict src, const float*, int64_t keys, int64_t D,
+                   float* __restrict dst) {
+#pragma omp simd
+    for (int64_t i = 0; i < keys * D; ++i)
+      dst[i] = std::bit_cast<float>(static_cast<uint32_t>(src[i]) << 16);
+  }
+};
+
+struct Int8 {
+  using Stored = int8_t;
+  static void Load(const int8_t* __restrict src, const float* __restrict scale, int64_t keys,
+                   int64_t D, float* __restrict dst) {
+    for (int64_t j = 0; j < keys; ++j) {
+      const float s = scale[j];
+#pragma omp simd
+      for (int64_t d = 0; d < D; ++d) dst[j * D + d] = static_cast<float>(src[j * D + d]) * s;
+    }
+  }
+};
+
+// Every fp8 e4m3fn byte's value: 1 sign, 4 exponent (bias 7), 3 mantissa bits; exponent 0
+// is subnormal (mantissa × 2^-9), S.1111.111 is NaN, and there are no infinities.
+constexpr float DecodeE4M3FN(uint8_t b) {
+  const uint32_t exponent = (b >> 3) & 0xF, mantissa = b & 0x7;
+  float x;
+  if (exponent == 0xF && mantissa == 0x7)
+    x = std::numeric_limits<float>::quiet_NaN();
+  else if (exponent == 0)
+    x = static_cast<float>(mantissa) * (1.0f / 512.0f);
+  else
+    x = std::bit_cast<float>((exponent - 7 + 127) << 23 | mantissa << 20);
+  return b & 0x80 ? -x : x;
+}
+
+constexpr std::array<float, 256> kE4M3FN = [] {
+  std::array<float, 256> table{};
+  for (int b = 0; b < 256; ++b) table[b] = DecodeE4M3FN(static_cast<uint8_t>(b));
+  return table;
+}();
+
+struct Fp8E4M3FN {
+  using Stored = uint8_t;
+  static void Load(const uint8_t* __restrict src, const float*, int64_t keys, int64_t D,
+                   float* __restrict dst) {
+    for (int64_t i = 0; i < keys * D; ++i) dst[i] = kE4M3FN[src[i]];
+  }
+};
+
 struct Problem {
   const float* q;       // [num_tokens, num_heads, head_dim]
-  const float* k;       // [num_layers, num_kv_heads, num_pages, page_size, head_dim]
-  const float* v;
+  const void* k;        // [num_layers, num_kv_heads, num_pages, page_size, head_dim]
+  const void* v;        //   in the storage of `dtype`
+  const float* k_scale;  // [num_layers, num_kv_heads, num_pages, page_size] int8 only
+  const float* v_scale;
+  ffi::DataType dtype;  // F32, BF16, S8 or F8E4M3FN
   const int32_t* cu_q_lens;   // [num_rows + 1]
   const int32_t* kv_lens;     // [num_rows]
   const int32_t* page_table;  // [num_rows, max_pages]
@@ -69,6 +137,7 @@ struct Item {
 // Per-thread buffers, sized once per call.
 struct Scratch {
   std::vector<float> q, acc, m, l, s, kt;
+  std::vector<float> k, v;  // one page dequantized, [page_size, head_dim]; not for f32
   std::vector<int64_t> pos;
   Scratch(const Problem& p, int64_t group)
       : q(kTileTokens * group * p.head_dim),
@@ -77,12 +146,15 @@ struct Scratch {
         l(kTileTokens * group),
         s(kTileTokens * group * p.page_size),
         kt(p.head_dim * p.page_size),
+        k(p.dtype == ffi::DataType::F32 ? 0 : p.page_size * p.head_dim),
+        v(p.dtype == ffi::DataType::F32 ? 0 : p.page_size * p.head_dim),
         pos(kTileTokens) {}
 };
 
-// kPageSize and kHeadDim are the common shapes as constants, so that the compiler
-// unrolls and vectorizes the loops over them; 0 reads them from the problem.
-template <int64_t kPageSize, int64_t kHeadDim>
+// Storage is how the pages are stored (F32, Bf16, Int8, Fp8E4M3FN). kPageSize and
+// kHeadDim are the common shapes as constants, so that the compiler unrolls and
+// vectorizes the loops over them; 0 reads them from the problem.
+template <typename Storage, int64_t kPageSize, int64_t kHeadDim>
 void RunItem(const Problem& p, const Item& it, Scratch& sc) {
   const int64_t PS = kPageSize ? kPageSize : p.page_size;
   const int64_t D = kHeadDim ? kHeadDim : p.head_dim;
@@ -117,9 +189,29 @@ void RunItem(const Problem& p, const Item& it, Scratch& sc) {
   for (int64_t b = 0; b < num_blocks; ++b) {
     int64_t page = p.page_table[it.row * p.max_pages + b];
     if (page < 0 || page >= p.num_pages) page = 0;  // never read outside the pool
-    const float* __restrict kp = p.k + (layer_offset + page) * PS * D;
-    const float* __restrict vp = p.v + (layer_offset + page) * PS * D;
     const int64_t first_key = b * PS;
+    using Stored = typename Storage::Stored;
+    const Stored* k_page = static_cast<const Stored*>(p.k) + (layer_offset + page) * PS * D;
+    const Stored* v_page = static_cast<const Stored*>(p.v) + (layer_offset + page) * PS * D;
+    if constexpr (!std::is_same_v<Storage, F32>) {
+      // only the keys that some query sees: the rest of the scratch keeps an earlier
+      // page's (or zeros), which the loops below mask out as they do an f32 page's stale
+      // slots
+      const int64_t keys = std::min(PS, last_pos - first_key + 1);
+      const bool scaled = std::is_same_v<Storage, Int8>;  // else a dummy buffer
+      const int64_t scales = (layer_offset + page) * PS;
+      Storage::Load(k_page, scaled ? p.k_scale + scales : nullptr, keys, D, sc.k.data());
+      Storage::Load(v_page, scaled ? p.v_scale + scales : nullptr, keys, D, sc.v.data());
+    }
+    const float* __restrict kp;
+    const float* __restrict vp;
+    if constexpr (std::is_same_v<Storage, F32>) {
+      kp = k_page;
+      vp = v_page;
+    } else {
+      kp = sc.k.data();
+      vp = sc.v.data();
+    }
     // With many queries on this page, transpose K once so that each query's scores are
     // vector FMAs over the keys; a decode's few queries take dot products instead.
     const bool transposed = n >= kTransposeQueries;
@@ -207,10 +299,24 @@ void RunItem(const Problem& p, const Item& it, Scratch& sc) {
 
 using ItemFn = void (*)(const Problem&, const Item&, Scratch&);
 
+template <typename Storage>
 ItemFn ItemFor(const Problem& p) {
-  if (p.page_size == 16 && p.head_dim == 64) return RunItem<16, 64>;
-  if (p.page_size == 16 && p.head_dim == 128) return RunItem<16, 128>;
-  return RunItem<0, 0>;
+  if (p.page_size == 16 && p.head_dim == 64) return RunItem<Storage, 16, 64>;
+  if (p.page_size == 16 && p.head_dim == 128) return RunItem<Storage, 16, 128>;
+  return RunItem<Storage, 0, 0>;
+}
+
+ItemFn ItemFor(const Problem& p) {
+  switch (p.dtype) {
+    case ffi::DataType::BF16:
+      return ItemFor<Bf16>(p);
+    case ffi::DataType::S8:
+      return ItemFor<Int8>(p);
+    case ffi::DataType::F8E4M3FN:
+      return ItemFor<Fp8E4M3FN>(p);
+    default:
+      return ItemFor<F32>(p);
+  }
 }
 
 // Work items handed out through one counter. The calling thread works too, so the call
@@ -248,17 +354,28 @@ struct Work {
   }
 };
 
-ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
-                          ffi::Buffer<ffi::F32> k, ffi::Buffer<ffi::F32> v,
-                          ffi::Buffer<ffi::S32> cu_q_lens, ffi::Buffer<ffi::S32> kv_lens,
-                          ffi::Buffer<ffi::S32> page_table, ffi::Buffer<ffi::S32> layer,
-                          ffi::ResultBuffer<ffi::F32> out, float scale) {
+ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k,
+                          ffi::AnyBuffer v, ffi::Buffer<ffi::F32> k_scale,
+                          ffi::Buffer<ffi::F32> v_scale, ffi::Buffer<ffi::S32> cu_q_lens,
+                          ffi::Buffer<ffi::S32> kv_lens, ffi::Buffer<ffi::S32> page_table,
+                          ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> out,
+                          float scale) {
   const auto qd = q.dimensions(), kd = k.dimensions(), pd = page_table.dimensions();
   if (qd.size() != 3 || kd.size() != 5 || pd.size() != 2)
     return ffi::Error::InvalidArgument("paged_attention: q must be 3-D, k/v 5-D, page_table 2-D");
-  Problem p{q.typed_data(), k.typed_data(), v.typed_data(), cu_q_lens.typed_data(),
-            kv_lens.typed_data(), page_table.typed_data(), out->typed_data(),
-            qd[1], qd[2], kd[1], kd[2], kd[3], pd[1], layer.typed_data()[0], scale};
+  const ffi::DataType dtype = k.element_type();
+  if (dtype != ffi::DataType::F32 && dtype != ffi::DataType::BF16 &&
+      dtype != ffi::DataType::S8 && dtype != ffi::DataType::F8E4M3FN)
+    return ffi::Error::InvalidArgument("paged_attention: k/v must be f32, bf16, s8 or f8e4m3fn");
+  if (v.element_type() != dtype || !(v.dimensions() == kd))
+    return ffi::Error::InvalidArgument("paged_attention: k and v differ in dtype or shape");
+  if (dtype == ffi::DataType::S8 &&
+      !(k_scale.dimensions() == kd.first(4) && v_scale.dimensions() == kd.first(4)))
+    return ffi::Error::InvalidArgument("paged_attention: s8 k/v need scales shaped [L, H, P, S]");
+  Problem p{q.typed_data(), k.untyped_data(), v.untyped_data(), k_scale.typed_data(),
+            v_scale.typed_data(), dtype, cu_q_lens.typed_data(), kv_lens.typed_data(),
+            page_table.typed_data(), out->typed_data(), qd[1], qd[2], kd[1], kd[2], kd[3],
+            pd[1], layer.typed_data()[0], scale};
   const int64_t num_tokens = qd[0], num_rows = pd[0];
   if (p.page_size > kMaxPageSize || p.page_size % 4 || p.head_dim % 4 ||
       p.num_heads % p.num_kv_heads || kd[4] != p.head_dim)
@@ -291,8 +408,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxservePagedAttention, PagedAttention,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // q
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // k cache
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // v cache
+                                  .Arg<ffi::AnyBuffer>()         // k cache
+                                  .Arg<ffi::AnyBuffer>()         // v cache
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // k scales (s8 only)
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // v scales (s8 only)
                                   .Arg<ffi::Buffer<ffi::S32>>()  // cu_q_lens
                                   .Arg<ffi::Buffer<ffi::S32>>()  // kv_lens
                                   .Arg<ffi::Buffer<ffi::S32>>()  // page_table

@@ -2,8 +2,11 @@
 
 The same arguments and results as the Pallas `ragged_paged_attention`, so the attention
 entry point swaps one for the other by platform; `ragged_paged_attention_reference_lens`
-is its reference in the tests. f32 only: K and V are read in place, page by page, with
-an online softmax, so each byte of the pool that a row can see is read once a step.
+is its reference in the tests. K and V are read page by page with an online softmax, so
+each byte of the pool that a row can see is read once a step. q and the output are f32;
+the pool is f32 (read in place), or bf16, int8 (with its f32 scales) or fp8 e4m3fn
+(kv_cache.py's storages), which the kernel dequantizes a page at a time into f32 scratch
+so that one body of attention loops serves every storage.
 """
 
 import ctypes
@@ -21,6 +24,8 @@ log = logging.getLogger(__name__)
 
 TARGET = "jaxserve_paged_attention"
 MAX_PAGE_SIZE = 256  # kMaxPageSize in paged_attention.cc
+# pool dtypes the kernel reads (F32, BF16, S8, F8E4M3FN in paged_attention.cc)
+STORAGES = tuple(jnp.dtype(d) for d in (jnp.float32, jnp.bfloat16, jnp.int8, jnp.float8_e4m3fn))
 
 
 def fits(page_size: int, head_dim: int) -> bool:
@@ -44,21 +49,32 @@ def available() -> bool:
 
 def cpu_paged_attention(
     q: jax.Array,  # f32[num_tokens, num_heads, head_dim]
-    k_pages: jax.Array,  # f32[num_layers, num_kv_heads, num_pages, page_size, head_dim]
-    v_pages: jax.Array,  # (or one layer's pool, [num_kv_heads, ...], with layer None)
+    k_pages: jax.Array,  # [num_layers, num_kv_heads, num_pages, page_size, head_dim] in
+    v_pages: jax.Array,  # STORAGES (or one layer's pool, [num_kv_heads, ...], layer None)
     cu_q_lens: jax.Array,  # i32[num_rows + 1] row r's tokens are q[cu_q_lens[r]:cu_q_lens[r+1]]
     kv_lens: jax.Array,  # i32[num_rows] keys in each row's cache after this step
     page_table: jax.Array,  # i32[num_rows, max_pages]
     layer: jax.Array | int | None = None,  # i32[] the layer of a whole cache to read
     *,
     scale: float,
+    k_scale: jax.Array | None = None,  # int8 pools only: f32, the pool's shape less head_dim
+    v_scale: jax.Array | None = None,
 ) -> jax.Array:  # f32[num_tokens, num_heads, head_dim]; zeros for padding tokens
     """Causal attention of a flat batch of prefill chunks and decodes over paged K/V."""
     paged.check_pool(q, k_pages, v_pages)
-    for name, x in (("q", q), ("k_pages", k_pages)):
-        if x.dtype != jnp.float32:
-            raise ValueError(f"the CPU kernel takes f32 only, got {name} of {x.dtype}")
+    paged.check_scales(k_pages, k_scale, v_scale)
+    if q.dtype != jnp.float32:
+        raise ValueError(f"the CPU kernel takes f32 q only, got {q.dtype}")
+    if k_pages.dtype not in STORAGES:
+        raise ValueError(
+            f"the CPU kernel reads pools of {', '.join(map(str, STORAGES))}, got {k_pages.dtype}"
+        )
+    one_layer = k_pages.ndim == 4
     k_pages, v_pages, layer = paged.every_layer(k_pages, v_pages, layer)
+    if k_scale is None:  # the kernel always takes scales; it reads them for int8 only
+        k_scale = v_scale = jnp.zeros((1,), jnp.float32)
+    elif one_layer:
+        k_scale, v_scale = k_scale[None], v_scale[None]
     num_tokens = q.shape[0]
     page_size, head_dim = k_pages.shape[3:]
     if not fits(page_size, head_dim):
@@ -75,7 +91,7 @@ def cpu_paged_attention(
         raise RuntimeError("the C++ CPU attention kernel could not be built (see the log)")
     call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(q.shape, q.dtype))
     return call(
-        q, k_pages, v_pages,
+        q, k_pages, v_pages, k_scale, v_scale,
         jnp.clip(cu_q_lens, 0, num_tokens).astype(jnp.int32),
         jnp.clip(kv_lens, 0, page_table.shape[1] * page_size).astype(jnp.int32),
         page_table.astype(jnp.int32), layer,

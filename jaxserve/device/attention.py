@@ -27,16 +27,23 @@ from jaxserve.pallas_kernels.blocked_jnp import blocked_paged_attention
 from jaxserve.pallas_kernels.ragged_attention import ragged_paged_attention
 from jaxserve.pallas_kernels.reference import ragged_paged_attention_reference
 
+CPU_KERNEL_STORAGE = ("f32", "bf16", "int8", "fp8")  # KV storages the C++ kernel reads
+
 
 def select_backend(
     requested: str | None = None,
     dtype: jnp.dtype = jnp.float32,
+    kv_dtype: str = "f32",
     page_size: int = 16,
     head_dim: int = 64,
 ) -> str:
     """`requested` if given (validated), else Pallas on accelerators and, on CPU, the C++
-    kernel where it builds and takes the KV dtype and shapes (else blocked XLA)."""
-    fits = jnp.dtype(dtype) == jnp.float32 and cpu_kernel_fits(page_size, head_dim)
+    kernel where it builds and takes the activations' `dtype`, the KV storage and the
+    shapes (else blocked XLA, which takes them all)."""
+    fits = (
+        jnp.dtype(dtype) == jnp.float32 and kv_dtype in CPU_KERNEL_STORAGE
+        and cpu_kernel_fits(page_size, head_dim)
+    )
     if requested is None:
         if jax.default_backend() == "gpu":
             return "pallas"
@@ -48,9 +55,10 @@ def select_backend(
     if requested == "cpu":
         if not fits:
             raise ValueError(
-                f"the cpu attention backend takes an f32 KV cache, page sizes that are "
-                f"multiples of 4 and head sizes that are multiples of 4; got "
-                f"{jnp.dtype(dtype).name}, page size {page_size}, head size {head_dim}"
+                f"the cpu attention backend takes f32 activations, KV stored as "
+                f"{', '.join(CPU_KERNEL_STORAGE)}, page sizes that are multiples of 4 and "
+                f"head sizes that are multiples of 4; got {jnp.dtype(dtype).name}, KV "
+                f"{kv_dtype}, page size {page_size}, head size {head_dim}"
             )
         if not cpu_kernel_available():
             raise ValueError("the cpu attention backend could not be built here (see the log)")
@@ -84,11 +92,13 @@ def paged_attention(
     metadata: AttentionMetadata,
     scale: float,
 ) -> jax.Array:  # f32[num_tokens, num_heads, head_dim]
-    """Attention of each token over its own sequence's pages, this token included."""
+    """Attention of each token over its own sequence's pages, this token included; pages
+    in any storage are dequantized inside the backend."""
+    scales = {"k_scale": kv_cache.k_scale, "v_scale": kv_cache.v_scale}
     if metadata.backend == "xla":
         return blocked_paged_attention(
             q, kv_cache.k, kv_cache.v, layer, metadata.seq_ids, positions, metadata.page_table,
-            scale,
+            scale, **scales,
         )
     if metadata.backend == "cpu" or metadata.backend.startswith("pallas"):
         if metadata.backend == "cpu":
@@ -99,19 +109,23 @@ def paged_attention(
                 interpret=metadata.backend == "pallas-interpret",
             )
         # the whole cache and the layer: slicing the layer out here would copy its pool
-        return _head_local(kernel, kv_cache.k.shape[1])(
+        return _head_local(kernel, kv_cache.k.shape[1], kv_cache.k_scale is not None)(
             q, kv_cache.k, kv_cache.v, metadata.cu_q_lens, metadata.kv_lens,
-            metadata.page_table, layer,
+            metadata.page_table, layer, *(() if kv_cache.k_scale is None else
+                                          (kv_cache.k_scale, kv_cache.v_scale)),
         )
-    k_pages, v_pages = kv_cache.k[layer], kv_cache.v[layer]
+    if kv_cache.k_scale is not None:
+        scales = {name: x[layer] for name, x in scales.items()}
     return ragged_paged_attention_reference(
-        q, k_pages, v_pages, metadata.seq_ids, positions, metadata.page_table, scale
+        q, kv_cache.k[layer], kv_cache.v[layer], metadata.seq_ids, positions,
+        metadata.page_table, scale, **scales,
     )
 
 
-def _head_local(kernel: Callable, num_kv_heads: int) -> Callable:
+def _head_local(kernel: Callable, num_kv_heads: int, scaled: bool = False) -> Callable:
     """`kernel` run by each device of the "model" axis on its own heads, where the KV
-    heads divide that axis; else `kernel` itself.
+    heads divide that axis; else `kernel` itself. It takes the K and V scales as two more
+    positional arguments where `scaled`.
 
     A Pallas (or FFI) call has no partitioning rule: under the automatic "model" axis the
     compiler would gather its operands, the whole KV cache among them, to
@@ -119,19 +133,25 @@ def _head_local(kernel: Callable, num_kv_heads: int) -> Callable:
     only its own KV heads' pages (the cache is sharded the same way, see
     sharding.py), so the pool never moves.
     """
+
+    def call(q, k, v, cu_q_lens, kv_lens, page_table, layer, k_scale=None, v_scale=None):
+        return kernel(q, k, v, cu_q_lens, kv_lens, page_table, layer,
+                      k_scale=k_scale, v_scale=v_scale)
+
     mesh = jax.sharding.get_abstract_mesh()
     if MODEL not in mesh.axis_names or MODEL in mesh.manual_axes:
-        return kernel
+        return call
     tp = mesh.shape[MODEL]
     if tp == 1 or num_kv_heads % tp:
-        return kernel
+        return call
     heads = PartitionSpec(None, MODEL)  # q and the output: [tokens, heads, head_dim]
     pool = PartitionSpec(None, MODEL)  # [layers, kv_heads, pages, page_size, head_dim]
     replicated = PartitionSpec()
     return jax.shard_map(
-        kernel,
+        call,
         mesh=mesh,
-        in_specs=(heads, pool, pool, replicated, replicated, replicated, replicated),
+        in_specs=(heads, pool, pool, replicated, replicated, replicated, replicated)
+        + (pool, pool) * scaled,  # the scales: [layers, kv_heads, pages, page_size]
         out_specs=heads,
         axis_names={MODEL},
         check_vma=False,

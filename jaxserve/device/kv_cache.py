@@ -7,6 +7,14 @@ the pool is replicated otherwise, see sharding.py).
 
 Page 0 is a reserved null page: padding rows point at it and write into it, so
 no real page is ever touched by padding.
+
+Storage (`--kv-dtype`, `KV_STORAGE`): f32 or bf16 as is; int8 with one f32 scale per
+token and head (absmax ÷ 127, written with the values: int8 has no range of its own);
+fp8 (e4m3) with no scale, i.e. a per-tensor scale of 1 as vLLM's fp8 KV without
+calibration: e4m3 keeps ~2 % relative precision over ±448, and per-token scales measured
+only 2.1-2.4 % against 2.6 % error on SmolLM2's K/V while costing 4 bytes a head-token
+(and moving the byte arithmetic off the usual `2 × layers × kv_heads × head_dim`). Values
+beyond ±448 are clipped. Every attention backend dequantizes with `dequantize`.
 """
 
 from dataclasses import dataclass
@@ -14,14 +22,23 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
+# --kv-dtype's choices past auto: how pages store K and V
+KV_STORAGE = {"f32": jnp.float32, "bf16": jnp.bfloat16, "int8": jnp.int8,
+              "fp8": jnp.float8_e4m3fn, "f16": jnp.float16}  # f16: only --dtype float16's auto
+SCALED = ("int8",)  # storages that keep a scale per token and head
+FP8_MAX = 448.0  # e4m3's largest finite value
+
 
 @jax.tree_util.register_dataclass
 @dataclass(frozen=True, slots=True)
 class KVCache:
     """Keys and values of every layer, paged. Donated to the step and updated in place."""
 
-    k: jax.Array  # f32[num_layers, num_kv_heads, num_pages, page_size, head_dim]
-    v: jax.Array  # f32[num_layers, num_kv_heads, num_pages, page_size, head_dim]
+    k: jax.Array  # [num_layers, num_kv_heads, num_pages, page_size, head_dim] in its storage
+    v: jax.Array
+    # int8 storage only: f32[num_layers, num_kv_heads, num_pages, page_size]; else None
+    k_scale: jax.Array | None = None
+    v_scale: jax.Array | None = None
 
     @property
     def page_size(self) -> int:
@@ -32,6 +49,11 @@ class KVCache:
         return self.k.shape[2]
 
 
+def storage_name(dtype: jnp.dtype) -> str:
+    """The --kv-dtype name of a pool dtype."""
+    return next(name for name, d in KV_STORAGE.items() if jnp.dtype(d) == jnp.dtype(dtype))
+
+
 def init_kv_cache(
     num_layers: int,
     num_kv_heads: int,
@@ -40,15 +62,39 @@ def init_kv_cache(
     page_size: int,
     dtype: jnp.dtype = jnp.float32,
     sharding: jax.sharding.Sharding | None = None,
+    scale_sharding: jax.sharding.Sharding | None = None,
 ) -> KVCache:
-    """Allocate a zeroed pool; `num_pages` counts the null page.
-
-    With a `sharding`, each device allocates only its own shard.
-    """
+    """Allocate a zeroed pool in `dtype` (a KV_STORAGE dtype); `num_pages` counts the null
+    page. With a `sharding` (and `scale_sharding` for the scales), each device allocates
+    only its own shard."""
     shape = (num_layers, num_kv_heads, num_pages, page_size, head_dim)
+    scales = [None, None]
+    if storage_name(dtype) in SCALED:
+        scales = [jnp.zeros(shape[:-1], jnp.float32, device=scale_sharding) for _ in "kv"]
     return KVCache(
-        k=jnp.zeros(shape, dtype, device=sharding), v=jnp.zeros(shape, dtype, device=sharding)
+        jnp.zeros(shape, dtype, device=sharding), jnp.zeros(shape, dtype, device=sharding),
+        *scales,
     )
+
+
+def quantize(x: jax.Array, dtype: jnp.dtype) -> tuple[jax.Array, jax.Array | None]:
+    """x [..., head_dim] as `dtype` stores it: the values, and for int8 one f32 scale per
+    vector (absmax ÷ 127; a zero vector gets scale 0)."""
+    dtype = jnp.dtype(dtype)
+    if dtype == jnp.int8:
+        x = x.astype(jnp.float32)
+        scale = jnp.max(jnp.abs(x), axis=-1) / 127.0
+        safe = jnp.where(scale == 0, 1.0, scale)[..., None]
+        return jnp.clip(jnp.round(x / safe), -127, 127).astype(jnp.int8), scale
+    if dtype == jnp.float8_e4m3fn:
+        return jnp.clip(x.astype(jnp.float32), -FP8_MAX, FP8_MAX).astype(dtype), None
+    return x.astype(dtype), None
+
+
+def dequantize(values: jax.Array, scale: jax.Array | None, dtype: jnp.dtype) -> jax.Array:
+    """Stored values (and their scale, [...] for values [..., head_dim]) in `dtype`."""
+    out = values.astype(dtype)
+    return out if scale is None else out * scale[..., None].astype(dtype)
 
 
 def write_kv(
@@ -58,11 +104,15 @@ def write_kv(
     k: jax.Array,  # f32[num_tokens, num_kv_heads, head_dim]
     v: jax.Array,  # f32[num_tokens, num_kv_heads, head_dim]
 ) -> KVCache:
-    """Scatter this step's new keys and values into their pages (in place under donation)."""
+    """Scatter this step's new keys and values (and scales) into their pages, in place
+    under donation."""
     pages = slot_mapping // cache.page_size
     offsets = slot_mapping % cache.page_size
+    (k, k_scale), (v, v_scale) = quantize(k, cache.k.dtype), quantize(v, cache.v.dtype)
     # the advanced indices (layer, pages, offsets) around the head slice put tokens first
     return KVCache(
-        k=cache.k.at[layer, :, pages, offsets].set(k.astype(cache.k.dtype)),
-        v=cache.v.at[layer, :, pages, offsets].set(v.astype(cache.v.dtype)),
+        cache.k.at[layer, :, pages, offsets].set(k),
+        cache.v.at[layer, :, pages, offsets].set(v),
+        None if k_scale is None else cache.k_scale.at[layer, :, pages, offsets].set(k_scale),
+        None if v_scale is None else cache.v_scale.at[layer, :, pages, offsets].set(v_scale),
     )

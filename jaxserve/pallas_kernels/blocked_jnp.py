@@ -9,10 +9,17 @@ Queries are grouped into tiles of consecutive tokens of one row, and each tile
 gathers its row's pages once: a prefill chunk of 128 tokens in tiles of 16 reads
 its pages 8 times a block, not 128 (reading them per token made every step that
 carried a prefill chunk several times slower than a decode step).
+
+Pages may be in any `--kv-dtype` storage (jaxserve.device.kv_cache), int8 with its scales:
+each block is gathered as stored (its scales through the same page ids) and dequantized
+after the gather, so only the block is ever converted, never the pool.
 """
 
 import jax
 import jax.numpy as jnp
+
+from jaxserve.device.kv_cache import dequantize
+from jaxserve.pallas_kernels.paged_attention import check_scales, compute_dtype
 
 
 def tile_shape(num_tokens: int, num_rows: int) -> tuple[int, int]:
@@ -26,14 +33,17 @@ def tile_shape(num_tokens: int, num_rows: int) -> tuple[int, int]:
 
 def blocked_paged_attention(
     q: jax.Array,  # f32[num_tokens, num_heads, head_dim]
-    k_cache: jax.Array,  # f32[num_layers, num_kv_heads, num_pages, page_size, head_dim]
-    v_cache: jax.Array,  # f32[num_layers, num_kv_heads, num_pages, page_size, head_dim]
+    k_cache: jax.Array,  # [num_layers, num_kv_heads, num_pages, page_size, head_dim]
+    v_cache: jax.Array,  # [num_layers, num_kv_heads, num_pages, page_size, head_dim]
     layer: jax.Array,  # i32[] the layer to read
     seq_ids: jax.Array,  # i32[num_tokens] row of each token in page_table, rows in order
     positions: jax.Array,  # i32[num_tokens] position of each token in its sequence
     page_table: jax.Array,  # i32[num_rows, max_pages_per_seq]
     scale: float,
     pages_per_block: int = 8,
+    *,
+    k_scale: jax.Array | None = None,  # f32[num_layers, num_kv_heads, num_pages, page_size]
+    v_scale: jax.Array | None = None,  # int8 caches only: dequantized = value * scale
 ) -> jax.Array:  # f32[num_tokens, num_heads, head_dim]
     """Causal attention of each token over its own sequence's pages, block by block.
 
@@ -43,6 +53,8 @@ def blocked_paged_attention(
     not the batch). Tile-major layouts ([tile, kv_head, ...]) measured faster here than
     head-major ones (bench/results/NOTES.md).
     """
+    check_scales(k_cache, k_scale, v_scale)
+    dtype = compute_dtype(q.dtype, k_cache.dtype)
     num_tokens, num_heads, head_dim = q.shape
     _, num_kv_heads, _, page_size, _ = k_cache.shape
     num_rows = page_table.shape[0]
@@ -72,15 +84,19 @@ def blocked_paged_attention(
     tile_pages = jnp.pad(tile_pages, ((0, 0), (0, pad)))
     num_blocks = (jnp.max(positions) + block) // block  # blocks holding any visible key
 
-    def read(cache: jax.Array, pages: jax.Array) -> jax.Array:
-        """[tile, kv_head, block, d]: the layer's pages of each tile."""
+    def read(cache: jax.Array, scales: jax.Array | None, pages: jax.Array) -> jax.Array:
+        """[tile, kv_head, block, d]: the layer's pages of each tile, dequantized."""
         out = jnp.asarray(cache)[layer, :, pages]  # [tile, pages, kv_head, page_size, d]
-        return out.transpose(0, 2, 1, 3, 4).reshape(num_tiles, num_kv_heads, block, head_dim)
+        out = out.transpose(0, 2, 1, 3, 4).reshape(num_tiles, num_kv_heads, block, head_dim)
+        if scales is not None:
+            scales = jnp.asarray(scales)[layer, :, pages]  # [tile, pages, kv_head, page_size]
+            scales = scales.transpose(0, 2, 1, 3).reshape(num_tiles, num_kv_heads, block)
+        return dequantize(out, scales, dtype)
 
     def step(i, carry):
         m, denom, acc = carry  # running max, softmax denominator, numerator
         pages = jax.lax.dynamic_slice_in_dim(tile_pages, i * pages_per_block, pages_per_block, 1)
-        k, v = read(k_cache, pages), read(v_cache, pages)
+        k, v = read(k_cache, k_scale, pages), read(v_cache, v_scale, pages)
         s = jnp.einsum("nkqd,nkbd->nkqb", qt, k, preferred_element_type=jnp.float32)
         s = s.reshape(num_tiles, num_kv_heads, size, group, block)
         visible = i * block + jnp.arange(block)[None, None, :] <= tile_pos[:, :, None]

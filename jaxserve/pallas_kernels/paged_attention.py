@@ -31,6 +31,13 @@ kernel to have a power-of-two size and dot tiles of at least 16, so `head_dim` a
 `pages_per_block * page_size` must be powers of two >= 16 and the query group is padded to
 one; the wrappers check this unless interpreting. On CPU only `interpret=True` runs.
 
+Storage: pages may hold f32, bf16, f16, int8 or fp8 (e4m3) values (`--kv-dtype`, see
+`jaxserve.device.kv_cache`); int8 pages come with one f32 scale per token and head, shaped
+like the pages less head_dim, passed as `k_scale, v_scale`. The kernel loads a block's pages
+(and their scales, gathered through the same page ids) in their storage and dequantizes
+them in registers to the compute dtype (`compute_dtype`: q's, or the pages' where wider),
+so a narrow pool is also a narrow read. Without scales the kernel takes no scale refs.
+
 The pieces shared with the ragged kernel (input checks, the gathered K/V block, the online
 softmax step) live here and are imported by `ragged_attention.py`.
 """
@@ -44,7 +51,10 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-NULL_PAGE = 0  # the reserved page (jaxserve.device.kv_cache.NULL_PAGE; kernels import only jax)
+# kv_cache imports only jax: no cycle through jaxserve.device.attention
+from jaxserve.device.kv_cache import dequantize
+
+NULL_PAGE = 0  # the reserved page (see jaxserve.device.kv_cache)
 # Finite, so a row that has seen no key keeps a finite max and exp(max - new_max) is defined.
 MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 MIN_TILE = 16  # Triton's dot needs every tile dimension >= 16
@@ -68,9 +78,10 @@ def check_pool(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array) -> int:
         raise ValueError(f"k_pages has shape {k_pages.shape} but v_pages has shape {v_pages.shape}")
     if k_pages.dtype != v_pages.dtype:
         raise ValueError(f"k_pages has dtype {k_pages.dtype} but v_pages has dtype {v_pages.dtype}")
-    for name, x in (("q", q), ("k_pages", k_pages)):
-        if not jnp.issubdtype(x.dtype, jnp.floating):
-            raise ValueError(f"{name} must be floating point, got {x.dtype}")
+    if not jnp.issubdtype(q.dtype, jnp.floating):
+        raise ValueError(f"q must be floating point, got {q.dtype}")
+    if not (jnp.issubdtype(k_pages.dtype, jnp.floating) or k_pages.dtype == jnp.int8):
+        raise ValueError(f"k_pages must be floating point or int8, got {k_pages.dtype}")
     num_heads, head_dim = q.shape[1:]
     num_kv_heads = k_pages.shape[-4]
     if num_heads % num_kv_heads:
@@ -84,6 +95,35 @@ def check_pool(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array) -> int:
             f"{k_pages.shape[-1]} (shape {k_pages.shape})"
         )
     return num_heads // num_kv_heads
+
+
+def check_scales(
+    k_pages: jax.Array, k_scale: jax.Array | None, v_scale: jax.Array | None
+) -> None:
+    """int8 pages come with one f32 scale per token and head (kv_cache.py), shaped like the
+    pages less head_dim; other storages with none."""
+    if k_pages.dtype != jnp.int8:
+        if k_scale is not None or v_scale is not None:
+            raise ValueError(f"{k_pages.dtype} pages take no scales")
+        return
+    for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if s is None:
+            raise ValueError(f"int8 pages need {name}, one per token and head")
+        if s.shape != k_pages.shape[:-1] or s.dtype != jnp.float32:
+            raise ValueError(
+                f"{name} must be f32{list(k_pages.shape[:-1])} (the pages less head_dim), "
+                f"got {s.dtype}{list(s.shape)}"
+            )
+
+
+def compute_dtype(q_dtype: jnp.dtype, pages_dtype: jnp.dtype) -> jnp.dtype:
+    """The dtype the pages are dequantized to and the dots run in: q's, or the pages' where
+    a wider float (bf16 q over an f32 pool computes in f32). One-byte storages (int8, fp8)
+    never set it: q is never cast down to them."""
+    q_dtype, pages_dtype = jnp.dtype(q_dtype), jnp.dtype(pages_dtype)
+    if pages_dtype.itemsize == 1:
+        return q_dtype
+    return jnp.promote_types(q_dtype, pages_dtype)
 
 
 def every_layer(
@@ -191,8 +231,13 @@ def load_kv_block(
     block: jax.Array,  # i32[] page block index
     kv_len: jax.Array,  # i32[] tokens in the sequence's cache
     pages_per_block: int,
+    dtype: jnp.dtype,  # the compute dtype the block is dequantized to
+    k_scale_ref: jax.Array | None = None,  # f32[num_layers, num_pages, page_size] (int8)
+    v_scale_ref: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Gather one block of keys and values, [block_k, head_dim] each, and their positions."""
+    """Gather one block of keys and values, [block_k, head_dim] each in `dtype`, and their
+    positions. The pages are read in their storage (and their scales, where given, through
+    the same page ids) and dequantized here, after the gather."""
     _, _, page_size, head_dim = k_ref.shape
     block_k = pages_per_block * page_size
     first_page = block * pages_per_block
@@ -203,17 +248,22 @@ def load_kv_block(
     pages = jnp.where(live, pages, NULL_PAGE)
     k = k_ref[layer, pages].reshape(block_k, head_dim)
     v = v_ref[layer, pages].reshape(block_k, head_dim)
+    k_scale = v_scale = None
+    if k_scale_ref is not None:
+        k_scale = k_scale_ref[layer, pages].reshape(block_k)
+        v_scale = v_scale_ref[layer, pages].reshape(block_k)
+    k, v = dequantize(k, k_scale, dtype), dequantize(v, v_scale, dtype)
     key_pos = block * block_k + jnp.arange(block_k)
     # slots past kv_len are stale or padding; masked scores drop K there, but a NaN in V
-    # would survive its zero weight
+    # (or in its scale) would survive its zero weight
     v = jnp.where((key_pos < kv_len)[:, None], v, 0)
     return k, v, key_pos
 
 
 def online_softmax_step(
-    q: jax.Array,  # [rows, head_dim] in the pages' dtype
-    k: jax.Array,  # [block_k, head_dim]
-    v: jax.Array,  # [block_k, head_dim]
+    q: jax.Array,  # [rows, head_dim] in the compute dtype (see compute_dtype)
+    k: jax.Array,  # [block_k, head_dim] dequantized to the compute dtype
+    v: jax.Array,  # [block_k, head_dim] dequantized to the compute dtype
     visible: jax.Array,  # bool[rows or 1, block_k]
     carry: tuple[jax.Array, jax.Array, jax.Array],  # acc f32[rows, head_dim]; max, sum f32[rows]
     scale: float,
@@ -231,6 +281,31 @@ def online_softmax_step(
     return alpha[:, None] * acc + pv, new_max, new_sum
 
 
+def split_scale_refs(refs: tuple, scaled: bool) -> tuple[tuple, tuple]:
+    """(k_scale_ref, v_scale_ref) where `scaled`, else (), and the refs after them."""
+    return (refs[:2], refs[2:]) if scaled else ((), refs)
+
+
+def scale_operands(
+    k_pages: jax.Array, k_scale: jax.Array | None, v_scale: jax.Array | None
+) -> list[jax.Array]:
+    """Check the scales against the pages (one layer's or every layer's) and return them
+    as [num_layers, num_kv_heads, num_pages, page_size], or none for an unscaled storage."""
+    check_scales(k_pages, k_scale, v_scale)
+    if k_scale is None:
+        return []
+    if k_pages.ndim == 4:
+        return [k_scale[None], v_scale[None]]
+    return [k_scale, v_scale]
+
+
+def pool_itemsize(q_dtype: jnp.dtype, pages_dtype: jnp.dtype) -> int:
+    """Bytes a K/V element takes in a program's shared memory: a block is loaded in its
+    storage but the dots take it dequantized, so a narrow storage counts as the compute
+    dtype (a guess on the safe side; untested on GPUs for int8 and fp8)."""
+    return max(jnp.dtype(pages_dtype).itemsize, compute_dtype(q_dtype, pages_dtype).itemsize)
+
+
 def _decode_kernel(
     layer_ref,  # i32[1] the layer to read
     kv_lens_ref,  # i32[num_seqs]
@@ -238,26 +313,29 @@ def _decode_kernel(
     q_ref,  # [rows, head_dim] this KV head's query heads, padded to rows
     k_ref,  # [num_layers, num_pages, page_size, head_dim] this KV head's pools
     v_ref,  # [num_layers, num_pages, page_size, head_dim]
-    acc_ref,  # f32[rows, head_dim] unnormalised output of this split
-    max_ref,  # f32[rows] score max of this split
-    sum_ref,  # f32[rows] softmax denominator of this split
-    *,
+    *refs,  # where scaled, k_scale_ref and v_scale_ref (f32[num_layers, num_pages,
+    # page_size]); then acc_ref f32[rows, head_dim], max_ref f32[rows] and sum_ref
+    # f32[rows]: this split's unnormalised output, score max and softmax denominator
     scale: float,
     pages_per_block: int,
     blocks_per_split: int,
+    scaled: bool,
 ):
+    scale_refs, (acc_ref, max_ref, sum_ref) = split_scale_refs(refs, scaled)
     seq, split = pl.program_id(0), pl.program_id(2)
     block_k = pages_per_block * k_ref.shape[2]
     layer = layer_ref[0]
     kv_len = kv_lens_ref[seq]
-    q = q_ref[...].astype(k_ref.dtype)
+    dtype = compute_dtype(q_ref.dtype, k_ref.dtype)
+    q = q_ref[...].astype(dtype)
     rows, head_dim = q.shape
     first = split * blocks_per_split
     last = jnp.minimum(first + blocks_per_split, pl.cdiv(kv_len, block_k))
 
     def body(block, carry):
         k, v, key_pos = load_kv_block(
-            k_ref, v_ref, layer, page_table_ref, seq, block, kv_len, pages_per_block
+            k_ref, v_ref, layer, page_table_ref, seq, block, kv_len, pages_per_block, dtype,
+            *scale_refs,
         )
         return online_softmax_step(q, k, v, (key_pos < kv_len)[None, :], carry, scale)
 
@@ -285,6 +363,8 @@ def paged_attention(
     pages_per_block: int = 8,
     num_kv_splits: int = 1,
     interpret: bool = False,
+    k_scale: jax.Array | None = None,
+    v_scale: jax.Array | None = None,
 ) -> jax.Array:
     """Decode attention of one query token per sequence over its paged K/V.
 
@@ -293,8 +373,8 @@ def paged_attention(
         kv_lens[s] - 1; num_heads is a multiple of num_kv_heads and query head h reads
         KV head h // (num_heads // num_kv_heads).
       k_pages, v_pages: [num_kv_heads, num_pages, page_size, head_dim], one layer's pool,
-        f32 or bf16; page 0 is the null page. Or every layer's, [num_layers, ...], with
-        `layer`.
+        f32, bf16, f16, int8 or fp8 (e4m3); page 0 is the null page. Or every layer's,
+        [num_layers, ...], with `layer`.
       kv_lens: i32[num_seqs] keys in each sequence's cache, this token's included; 0 for a
         padding row, whose output is zeros. Lengths past max_pages * page_size are clamped.
       page_table: i32[num_seqs, max_pages] each sequence's pages, in order; entries past
@@ -305,11 +385,14 @@ def paged_attention(
         would not fit a GPU's shared memory).
       num_kv_splits: programs sharing one sequence's pages (flash-decoding).
       interpret: run the kernel in Pallas' interpreter (any backend, CPU included).
+      k_scale, v_scale: int8 pages only (and needed there): f32 scales shaped like the
+        pages less head_dim, dequantized = value * scale.
 
     Returns:
       [num_seqs, num_heads, head_dim] in q's dtype, accumulated in f32.
     """
     group = check_pool(q, k_pages, v_pages)
+    scales = scale_operands(k_pages, k_scale, v_scale)
     k_pages, v_pages, layer = every_layer(k_pages, v_pages, layer)
     num_seqs, num_heads, head_dim = q.shape
     num_layers, num_kv_heads, num_pages, page_size, _ = k_pages.shape
@@ -317,9 +400,8 @@ def paged_attention(
     check_index("page_table", page_table, (num_seqs, None), f"q has shape {q.shape}")
     check_positive(pages_per_block=pages_per_block, num_kv_splits=num_kv_splits)
     rows = max(MIN_TILE, next_power_of_2(group))
-    pages_per_block = fit_pages_per_block(
-        pages_per_block, rows, page_size, head_dim, k_pages.dtype.itemsize
-    )
+    itemsize = pool_itemsize(q.dtype, k_pages.dtype)
+    pages_per_block = fit_pages_per_block(pages_per_block, rows, page_size, head_dim, itemsize)
     if not interpret:
         check_gpu_tiles(head_dim, page_size, pages_per_block, rows)
     if num_seqs == 0:
@@ -339,9 +421,13 @@ def paged_attention(
         scale=scale,
         pages_per_block=pages_per_block,
         blocks_per_split=blocks_per_split,
+        scaled=bool(scales),
     )
     pool_spec = pl.BlockSpec(
         (num_layers, None, num_pages, page_size, head_dim), lambda s, h, j: (0, h, 0, 0, 0)
+    )
+    scale_spec = pl.BlockSpec(
+        (num_layers, None, num_pages, page_size), lambda s, h, j: (0, h, 0, 0)
     )
     split_shape = (num_kv_splits, num_seqs, num_kv_heads, rows)
     acc, row_max, row_sum = pl.pallas_call(
@@ -354,6 +440,7 @@ def paged_attention(
             pl.BlockSpec((None, None, rows, head_dim), lambda s, h, j: (s, h, 0, 0)),
             pool_spec,
             pool_spec,
+            *(scale_spec for _ in scales),
         ],
         out_specs=[
             pl.BlockSpec((None, None, None, rows, head_dim), lambda s, h, j: (j, s, h, 0, 0)),
@@ -365,12 +452,10 @@ def paged_attention(
             jax.ShapeDtypeStruct(split_shape, jnp.float32),
             jax.ShapeDtypeStruct(split_shape, jnp.float32),
         ],
-        compiler_params=triton_params(
-            rows, pages_per_block * page_size, head_dim, k_pages.dtype.itemsize
-        ),
+        compiler_params=triton_params(rows, pages_per_block * page_size, head_dim, itemsize),
         interpret=interpret,
         name="paged_attention",
-    )(layer, kv_lens, page_table, qg, k_pages, v_pages)
+    )(layer, kv_lens, page_table, qg, k_pages, v_pages, *scales)
 
     # merge the splits' partial softmaxes; a split that saw no key has row_sum 0
     weight = jnp.exp(row_max - row_max.max(axis=0))

@@ -21,6 +21,9 @@ masked to the row's tokens.
 Backend: Pallas' Triton backend on NVIDIA GPUs, selected by explicit Triton compiler params,
 for the reasons given in `paged_attention.py`; there, `block_q * group` (the group padded to a
 power of two) must be a power of two >= 16. On CPU only `interpret=True` runs.
+
+Storage: as in `paged_attention.py`, pages in any `--kv-dtype` storage (int8 with its
+scales) are read as stored and dequantized after the gather, inside the kernel.
 """
 
 import functools
@@ -67,12 +70,14 @@ def _ragged_kernel(
     q_ref,  # [num_tokens, group, head_dim] this KV head's query heads
     k_ref,  # [num_layers, num_pages, page_size, head_dim] this KV head's pools
     v_ref,  # [num_layers, num_pages, page_size, head_dim]
-    o_ref,  # [num_tokens, group, head_dim]
-    *,
+    *refs,  # where scaled, k_scale_ref and v_scale_ref (f32[num_layers, num_pages,
+    # page_size]); then o_ref [num_tokens, group, head_dim]
     scale: float,
     block_q: int,
     pages_per_block: int,
+    scaled: bool,
 ):
+    scale_refs, (o_ref,) = paged.split_scale_refs(refs, scaled)
     program = pl.program_id(0)
     row = block_rows_ref[program]
     q_start = block_starts_ref[program]
@@ -88,7 +93,8 @@ def _ragged_kernel(
     tile_live = jnp.broadcast_to(token_live[:, None, None], (block_q, group, head_dim))
     tokens = pl.ds(q_start, block_q)
     q = pltriton.load(q_ref.at[tokens], mask=tile_live, other=0)
-    q = q.reshape(rows, head_dim).astype(k_ref.dtype)
+    dtype = paged.compute_dtype(q_ref.dtype, k_ref.dtype)
+    q = q.reshape(rows, head_dim).astype(dtype)
     # token q_start + i sits at position kv_len - num_q + i; tile row j holds token j // group
     first_pos = kv_len - num_q
     query_pos = first_pos + jnp.arange(rows) // group
@@ -97,7 +103,8 @@ def _ragged_kernel(
 
     def body(block, carry):
         k, v, key_pos = paged.load_kv_block(
-            k_ref, v_ref, layer, page_table_ref, row, block, kv_len, pages_per_block
+            k_ref, v_ref, layer, page_table_ref, row, block, kv_len, pages_per_block, dtype,
+            *scale_refs,
         )
         visible = key_pos[None, :] <= query_pos[:, None]
         return paged.online_softmax_step(q, k, v, visible, carry, scale)
@@ -135,6 +142,8 @@ def ragged_paged_attention(
     block_q: int = 16,
     pages_per_block: int = 8,
     interpret: bool = False,
+    k_scale: jax.Array | None = None,
+    v_scale: jax.Array | None = None,
 ) -> jax.Array:
     """Causal attention of a flat batch of prefill chunks and decodes over paged K/V.
 
@@ -142,8 +151,8 @@ def ragged_paged_attention(
       q: f32[num_tokens, num_heads, head_dim] (or bf16/f16); num_heads is a multiple of
         num_kv_heads and query head h reads KV head h // (num_heads // num_kv_heads).
       k_pages, v_pages: [num_kv_heads, num_pages, page_size, head_dim], one layer's pool,
-        f32 or bf16; page 0 is the null page. Or every layer's, [num_layers, ...], with
-        `layer` (what a model should pass: see paged_attention.py).
+        f32, bf16, f16, int8 or fp8 (e4m3); page 0 is the null page. Or every layer's,
+        [num_layers, ...], with `layer` (what a model should pass: see paged_attention.py).
       cu_q_lens: i32[num_rows + 1] non-decreasing, cu_q_lens[0] = 0: row r's tokens are
         q[cu_q_lens[r]:cu_q_lens[r + 1]]; tokens from cu_q_lens[-1] on are padding.
       kv_lens: i32[num_rows] keys in each row's cache after this step, its tokens included
@@ -156,12 +165,15 @@ def ragged_paged_attention(
       pages_per_block: pages gathered per step of the softmax loop (fewer where the blocks
         would not fit a GPU's shared memory).
       interpret: run the kernel in Pallas' interpreter (any backend, CPU included).
+      k_scale, v_scale: int8 pages only (and needed there): f32 scales shaped like the
+        pages less head_dim, dequantized = value * scale.
 
     Returns:
       [num_tokens, num_heads, head_dim] in q's dtype, accumulated in f32; zeros for padding
       tokens.
     """
     group = paged.check_pool(q, k_pages, v_pages)
+    scales = paged.scale_operands(k_pages, k_scale, v_scale)
     k_pages, v_pages, layer = paged.every_layer(k_pages, v_pages, layer)
     num_tokens, num_heads, head_dim = q.shape
     num_layers, num_kv_heads, num_pages, page_size, _ = k_pages.shape
@@ -174,8 +186,9 @@ def ragged_paged_attention(
     paged.check_index("page_table", page_table, (num_rows, None), why)
     paged.check_positive(block_q=block_q, pages_per_block=pages_per_block)
     group_rows = paged.next_power_of_2(group)
+    itemsize = paged.pool_itemsize(q.dtype, k_pages.dtype)
     pages_per_block = paged.fit_pages_per_block(
-        pages_per_block, block_q * group_rows, page_size, head_dim, k_pages.dtype.itemsize
+        pages_per_block, block_q * group_rows, page_size, head_dim, itemsize
     )
     if not interpret:
         paged.check_gpu_tiles(head_dim, page_size, pages_per_block, block_q * group_rows)
@@ -193,11 +206,13 @@ def ragged_paged_attention(
         qg = jnp.pad(qg, ((0, 0), (0, 0), (0, group_rows - group), (0, 0)))
 
     kernel = functools.partial(
-        _ragged_kernel, scale=scale, block_q=block_q, pages_per_block=pages_per_block
+        _ragged_kernel, scale=scale, block_q=block_q, pages_per_block=pages_per_block,
+        scaled=bool(scales),
     )
     pool_spec = pl.BlockSpec(
         (num_layers, None, num_pages, page_size, head_dim), lambda i, h: (0, h, 0, 0, 0)
     )
+    scale_spec = pl.BlockSpec((num_layers, None, num_pages, page_size), lambda i, h: (0, h, 0, 0))
     head_spec = pl.BlockSpec((num_tokens, None, group_rows, head_dim), lambda i, h: (0, h, 0, 0))
     out = pl.pallas_call(
         kernel,
@@ -208,15 +223,17 @@ def ragged_paged_attention(
             head_spec,
             pool_spec,
             pool_spec,
+            *(scale_spec for _ in scales),
         ],
         out_specs=head_spec,
         out_shape=jax.ShapeDtypeStruct(qg.shape, q.dtype),
         compiler_params=paged.triton_params(
-            block_q * group_rows, pages_per_block * page_size, head_dim, k_pages.dtype.itemsize
+            block_q * group_rows, pages_per_block * page_size, head_dim, itemsize
         ),
         interpret=interpret,
         name="ragged_paged_attention",
-    )(layer, block_rows, block_starts, cu_q_lens, kv_lens, page_table, qg, k_pages, v_pages)
+    )(layer, block_rows, block_starts, cu_q_lens, kv_lens, page_table, qg, k_pages, v_pages,
+      *scales)
 
     out = out[:, :, :group].reshape(num_tokens, num_heads, head_dim)
     # padding tokens belong to no q-block, so the kernel never wrote them

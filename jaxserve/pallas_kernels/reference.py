@@ -9,22 +9,37 @@ The references in the kernels' own signatures (`paged_attention_reference`,
 positions and call the per-token reference; a token that sees no key (a padding
 row or padding token) gets zeros there, as in the kernels. Scores accumulate in
 f32, or in f64 for f64 inputs, so a test can compute them in double precision.
+
+Pages may be in any `--kv-dtype` storage (jaxserve.device.kv_cache): int8 pages come with
+`k_scale, v_scale`, shaped like the pages less head_dim. The reference dequantizes the
+layer's whole pool first (the kernels dequantize only the blocks they gather), to q's dtype
+or the pages' where that is a wider float.
 """
 
 import jax
 import jax.numpy as jnp
 
+from jaxserve.device.kv_cache import dequantize
+from jaxserve.pallas_kernels.paged_attention import check_scales, compute_dtype
+
 
 def ragged_paged_attention_reference(
     q: jax.Array,  # f32[num_tokens, num_heads, head_dim]
-    k_pages: jax.Array,  # f32[num_kv_heads, num_pages, page_size, head_dim] (one layer)
+    k_pages: jax.Array,  # [num_kv_heads, num_pages, page_size, head_dim] (one layer)
     v_pages: jax.Array,  # f32[num_kv_heads, num_pages, page_size, head_dim]
     seq_ids: jax.Array,  # i32[num_tokens] row of each token in page_table
     positions: jax.Array,  # i32[num_tokens] position of each token in its sequence
     page_table: jax.Array,  # i32[num_seqs, max_pages_per_seq]
     scale: float,
+    *,
+    k_scale: jax.Array | None = None,  # f32[num_kv_heads, num_pages, page_size] int8 only
+    v_scale: jax.Array | None = None,
 ) -> jax.Array:  # f32[num_tokens, num_heads, head_dim]
     """Causal attention of each token over its sequence's cached keys and values."""
+    check_scales(k_pages, k_scale, v_scale)
+    dtype = compute_dtype(q.dtype, k_pages.dtype)
+    k_pages = dequantize(k_pages, k_scale, dtype)
+    v_pages = dequantize(v_pages, v_scale, dtype)
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads, _, page_size, _ = k_pages.shape
     group = num_heads // num_kv_heads
@@ -49,28 +64,35 @@ def ragged_paged_attention_reference(
 
 def paged_attention_reference(
     q: jax.Array,  # f32[num_seqs, num_heads, head_dim] the token at position kv_lens - 1
-    k_pages: jax.Array,  # f32[num_kv_heads, num_pages, page_size, head_dim] (one layer)
+    k_pages: jax.Array,  # [num_kv_heads, num_pages, page_size, head_dim] (one layer)
     v_pages: jax.Array,  # f32[num_kv_heads, num_pages, page_size, head_dim]
     kv_lens: jax.Array,  # i32[num_seqs] keys in each sequence's cache; 0 -> output zeros
     page_table: jax.Array,  # i32[num_seqs, max_pages]
     scale: float,
+    *,
+    k_scale: jax.Array | None = None,  # f32[num_kv_heads, num_pages, page_size] int8 only
+    v_scale: jax.Array | None = None,
 ) -> jax.Array:  # f32[num_seqs, num_heads, head_dim]
     """Decode attention: each sequence's single query sees all of its kv_len keys."""
     seq_ids = jnp.arange(q.shape[0], dtype=jnp.int32)
     out = ragged_paged_attention_reference(
-        q, k_pages, v_pages, seq_ids, kv_lens - 1, page_table, scale
+        q, k_pages, v_pages, seq_ids, kv_lens - 1, page_table, scale,
+        k_scale=k_scale, v_scale=v_scale,
     )
     return jnp.where((kv_lens > 0)[:, None, None], out, 0)
 
 
 def ragged_paged_attention_reference_lens(
     q: jax.Array,  # f32[num_tokens, num_heads, head_dim]
-    k_pages: jax.Array,  # f32[num_kv_heads, num_pages, page_size, head_dim] (one layer)
+    k_pages: jax.Array,  # [num_kv_heads, num_pages, page_size, head_dim] (one layer)
     v_pages: jax.Array,  # f32[num_kv_heads, num_pages, page_size, head_dim]
     cu_q_lens: jax.Array,  # i32[num_rows + 1] row r's tokens are q[cu_q_lens[r]:cu_q_lens[r+1]]
     kv_lens: jax.Array,  # i32[num_rows] keys in each row's cache, its tokens included
     page_table: jax.Array,  # i32[num_rows, max_pages]
     scale: float,
+    *,
+    k_scale: jax.Array | None = None,  # f32[num_kv_heads, num_pages, page_size] int8 only
+    v_scale: jax.Array | None = None,
 ) -> jax.Array:  # f32[num_tokens, num_heads, head_dim]
     """Mixed prefill chunks and decodes: row r's tokens are the last of its kv_len tokens.
 
@@ -85,6 +107,7 @@ def ragged_paged_attention_reference_lens(
     seq_ids = jnp.clip(seq_ids, 0, num_rows - 1)
     positions = kv_lens[seq_ids] - (cu_q_lens[seq_ids + 1] - tokens)
     out = ragged_paged_attention_reference(
-        q, k_pages, v_pages, seq_ids, positions, page_table, scale
+        q, k_pages, v_pages, seq_ids, positions, page_table, scale,
+        k_scale=k_scale, v_scale=v_scale,
     )
     return jnp.where((live & (positions >= 0))[:, None, None], out, 0)
