@@ -1,20 +1,25 @@
-"""Weight quantization on this machine: accuracy against f32, memory, step time and speed.
+"""Quantization on this machine: accuracy against f32, memory, step time and speed.
 
     .venv/bin/python bench/quantization.py [--weight-dtypes auto,bf16,int8,fp8]
-        [--model PATH] [--steps 20] [--out bench/results/quantization.json]
+        [--kv-dtypes int8,fp8] [--model PATH] [--steps 20]
+        [--out bench/results/quantization.json]
 
-For each --weight-dtype (auto: the projections in f32, the reference), side by side:
-- accuracy, through a live `jaxserve serve --weight-dtype X` (the lm-evaluation-harness
-  path: /v1/completions with `echo` and `logprobs`):
+Conditions, side by side: each --weight-dtype with the KV in f32 (keyed by its name; auto:
+the projections in f32, the reference), and each --kv-dtype with f32 weights (keyed
+"kv-int8", "kv-fp8"). For each:
+- accuracy, through a live `jaxserve serve --weight-dtype W --kv-dtype K` (the
+  lm-evaluation-harness path: /v1/completions with `echo` and `logprobs`):
   - log-likelihood: the mean log-probability per token of a fixed text (Python's own
     LICENSE.txt, ~2,900 tokens; its sha256 is recorded), and its relative difference to
-    f32's, against the bound each dtype must meet (int8 1 %, fp8 2 %, bf16 1 %);
+    f32's, against the bound each must meet (weights int8 1 %, fp8 2 %, bf16 1 %; KV
+    int8 and fp8 1 %);
   - greedy agreement: the 5 reference prompts × 32 greedy tokens (EOS ignored); per
     prompt, the tokens identical to f32's before the first divergence;
-- memory: the weights' bytes on the device, as the engine counts them;
+- memory: the weights' bytes on the device and the KV bytes per token, as the engine
+  counts them, beside the planner's KV bytes per token for the same model and dtype;
 - speed: output tok/s at concurrency 16 through the same server (bench/serve.py: 48
   streamed requests, 100-300 prompt tokens, 128 out), and, in process, the decode step
-  time (median of --steps) at batch 1 and 16 with 256 tokens of context, the dtypes
+  time (median of --steps) at batch 1 and 16 with 256 tokens of context, the conditions
   interleaved step by step so that the machine's drift reaches each alike.
 
 Writes the JSON (machine, commands, every figure), a markdown table beside it and a plot.
@@ -49,7 +54,9 @@ ROOT = Path(__file__).resolve().parents[1]
 GGUF = ROOT / "checkpoints" / "SmolLM2-135M-Instruct.Q4_1.gguf"
 TEXT = Path(sysconfig.get_paths()["stdlib"]) / "LICENSE.txt"  # fixed, natural English
 NEW_TOKENS = 32
-BOUNDS = {"auto": 0.0, "f32": 0.0, "bf16": 0.01, "int8": 0.01, "fp8": 0.02}  # |ΔLL| ÷ |LL|
+# |ΔLL| ÷ |LL| each condition must meet
+BOUNDS = {"auto": 0.0, "f32": 0.0, "bf16": 0.01, "int8": 0.01, "fp8": 0.02,
+          "kv-bf16": 0.01, "kv-int8": 0.01, "kv-fp8": 0.01}
 MAX_MODEL_LEN = 4096
 
 
@@ -84,15 +91,23 @@ def agreement(a: list[str], b: list[str]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
-def serve_and_measure(model: Path, weight_dtype: str, text: str) -> dict:
-    """Start a server storing its weights as `weight_dtype`; score, generate, load it."""
+def conditions(weight_dtypes: list[str], kv_dtypes: list[str]) -> dict[str, tuple[str, str]]:
+    """Each condition's name and its (weight dtype, KV dtype)."""
+    out = {w: (w, "auto") for w in weight_dtypes}
+    out.update({f"kv-{k}": ("auto", k) for k in kv_dtypes})
+    return out
+
+
+def serve_and_measure(model: Path, name: str, weight_dtype: str, kv_dtype: str,
+                      text: str) -> dict:
+    """Start a server storing its weights and KV as told; score, generate, load it."""
     port = free_port()
     cmd = [sys.executable, "-m", "jaxserve.cli", "serve", "--model", str(model),
-           "--port", str(port), "--weight-dtype", weight_dtype,
+           "--port", str(port), "--weight-dtype", weight_dtype, "--kv-dtype", kv_dtype,
            "--max-model-len", str(MAX_MODEL_LEN),
            "--compilation-cache-dir", str(ROOT / ".cache" / "jax")]
     url = f"http://127.0.0.1:{port}"
-    log = ROOT / ".cache" / f"quantization-{weight_dtype}.log"
+    log = ROOT / ".cache" / f"quantization-{name}.log"
     with server_process(cmd, url + "/health", log, cwd=ROOT):
         with urllib.request.urlopen(url + "/v1/models") as resp:
             card = json.load(resp)["data"][0]
@@ -101,59 +116,76 @@ def serve_and_measure(model: Path, weight_dtype: str, text: str) -> dict:
         workload = Workload(requests=48, concurrency=16, prompt_tokens=Lengths(100, 300),
                             output_tokens=Lengths(128, 128), seed=0)
         report = run(url, None, workload)
-    return {"command": shlex.join(cmd), "stored": card["weight_dtype"], "log_likelihood": ll,
+    return {"command": shlex.join(cmd), "stored": card["weight_dtype"],
+            "kv_stored": card["kv_dtype"], "log_likelihood": ll,
             "tokens_scored": scored, "greedy": tokens,
             "output_tokens_per_s_c16": report["output_tokens_per_s"],
             "tpot_ms_p50_c16": report["tpot_ms"]["p50"],
             "ttft_ms_p50_c16": report["ttft_ms"]["p50"]}
 
 
-def step_times(model: Path, weight_dtypes: list[str], steps: int) -> dict:
-    """Decode step time at batch 1 and 16 per weight dtype, interleaved, in process; and
-    the weights' bytes on the device."""
+def step_times(model: Path, conds: dict[str, tuple[str, str]], steps: int) -> dict:
+    """Decode step time at batch 1 and 16 per condition, interleaved, in process; the
+    weights' bytes on the device, and the KV bytes per token (the engine's and the
+    planner's)."""
     from jaxserve import LLM
     from jaxserve.host.page_allocator import PageAllocator
+    from jaxserve.planner import kv_bytes_per_token
 
     out: dict = {}
-    llms = {w: LLM(model, weight_dtype=w, max_batch=16, token_budget=16, num_pages=512,
-                   max_model_len=1024, buckets=((1, 16), (1, 16))) for w in weight_dtypes}
+    llms = {name: LLM(model, weight_dtype=w, kv_dtype=k, max_batch=16, token_budget=16,
+                      num_pages=512, max_model_len=1024, buckets=((1, 16), (1, 16)))
+            for name, (w, k) in conds.items()}
     plans = {}
-    for w, llm in llms.items():
-        out[w] = {"weight_bytes": llm.weight_bytes, "weight_storage": llm.weight_dtype}
+    for name, llm in llms.items():
+        c = llm.config
+        out[name] = {
+            "weight_dtype": conds[name][0], "kv_dtype": llm.kv_dtype,
+            "weight_bytes": llm.weight_bytes, "weight_storage": llm.weight_dtype,
+            "kv_bytes_per_token": llm.kv_bytes_per_token,
+            "planner_kv_bytes_per_token": kv_bytes_per_token(
+                c.num_layers, c.num_kv_heads, c.head_dim, llm.kv_dtype),
+            "attention_backend": llm.runner.backend,
+        }
         allocator = PageAllocator(512)
-        plans[w] = {b: fabricated_step(allocator, (b, b), b, 1, 256, llm.runner.page_size,
-                                       llm.config.vocab_size) for b in (1, 16)}
-        for plan in plans[w].values():  # compile and warm
+        plans[name] = {b: fabricated_step(allocator, (b, b), b, 1, 256, llm.runner.page_size,
+                                          c.vocab_size) for b in (1, 16)}
+        for plan in plans[name].values():  # compile and warm
             llm.runner.execute(plan)
             llm.runner.execute(plan)
-    times: dict = {(w, b): [] for w in weight_dtypes for b in (1, 16)}
+    times: dict = {(name, b): [] for name in conds for b in (1, 16)}
     for i in range(steps):
         print(f"\rstep times: {i + 1}/{steps}", end="", file=sys.stderr, flush=True)
-        for w, b in times:
+        for name, b in times:
             start = time.perf_counter()
-            llms[w].runner.execute(plans[w][b])
-            times[w, b].append(time.perf_counter() - start)
+            llms[name].runner.execute(plans[name][b])
+            times[name, b].append(time.perf_counter() - start)
     print(file=sys.stderr)
-    for (w, b), ts in times.items():
-        out[w][f"step_ms_b{b}"] = statistics.median(ts) * 1e3
+    for (name, b), ts in times.items():
+        out[name][f"step_ms_b{b}"] = statistics.median(ts) * 1e3
     return out
 
 
 def markdown(report: dict) -> str:
     ref = report["results"][report["reference"]]
     rows = []
-    for w, r in report["results"].items():
+    for name, r in report["results"].items():
         agree = [agreement(a, b) for a, b in zip(r["greedy"], ref["greedy"])]
+        kv = f"{r['kv_bytes_per_token']:,}"
+        if r["planner_kv_bytes_per_token"] != r["kv_bytes_per_token"]:
+            kv += f" (planner: {r['planner_kv_bytes_per_token']:,})"
         rows.append([
-            w, r["stored"], fmt(r["weight_bytes"] / 2**20), fmt(r["log_likelihood"], 4),
-            f"{100 * r['ll_relative_diff']:.2f} % (≤ {100 * BOUNDS[w]:g} %: "
+            name, r["stored"], r["kv_stored"], fmt(r["weight_bytes"] / 2**20), kv,
+            fmt(r["log_likelihood"], 4),
+            f"{100 * r['ll_relative_diff']:.2f} % (≤ {100 * BOUNDS[name]:g} %: "
             f"{'ok' if r['ll_ok'] else 'FAILS'})",
             " ".join(f"{a}/{NEW_TOKENS}" for a in agree), fmt(r["step_ms_b1"]),
             fmt(r["step_ms_b16"]), fmt(r["output_tokens_per_s_c16"]),
         ])
     table = markdown_table(
-        ["--weight-dtype", "stored", "weights MiB", "mean log-lik/token", "ΔLL vs f32",
-         "greedy agreement (5 prompts)", "decode step b=1 ms", "b=16 ms", "tok/s @ c=16"],
+        ["condition", "weights", "KV", "weights MiB", "KV B/token (= planner)",
+         "mean log-lik/token", "ΔLL vs f32", "greedy agreement (5 prompts)",
+         "decode step b=1 ms", "b=16 ms", "tok/s @ c=16"],
         rows)
     text = report["text"]
     return (f"CPU: {report['cpu']['model']}. Text: {text['path']} ({text['tokens_scored']} "
@@ -181,21 +213,23 @@ def plot(report: dict, path: Path) -> str | None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--weight-dtypes", default="auto,bf16,int8,fp8")
+    parser.add_argument("--kv-dtypes", default="int8,fp8")
     parser.add_argument("--model", type=Path, default=GGUF)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--out", type=Path, default=RESULTS / "quantization.json")
     args = parser.parse_args()
-    dtypes = [w.strip() for w in args.weight_dtypes.split(",") if w.strip()]
+    conds = conditions(*([x.strip() for x in arg.split(",") if x.strip()]
+                         for arg in (args.weight_dtypes, args.kv_dtypes)))
     text = TEXT.read_text()
-    results = step_times(args.model, dtypes, args.steps)
-    for w in dtypes:
-        print(f"serving --weight-dtype {w} ...", file=sys.stderr, flush=True)
-        results[w].update(serve_and_measure(args.model, w, text))
-    reference = dtypes[0]
+    results = step_times(args.model, conds, args.steps)
+    for name, (w, k) in conds.items():
+        print(f"serving --weight-dtype {w} --kv-dtype {k} ...", file=sys.stderr, flush=True)
+        results[name].update(serve_and_measure(args.model, name, w, k, text))
+    reference = next(iter(conds))
     base = results[reference]["log_likelihood"]
-    for w, r in results.items():
+    for name, r in results.items():
         r["ll_relative_diff"] = abs(r["log_likelihood"] - base) / abs(base)
-        r["ll_ok"] = r["ll_relative_diff"] <= BOUNDS[w]
+        r["ll_ok"] = r["ll_relative_diff"] <= BOUNDS[name]
     report = {
         "cpu": cpu_description(), "command": "bench/quantization.py " + shlex.join(sys.argv[1:]),
         "model": str(args.model), "reference": reference,

@@ -3,11 +3,12 @@
 import argparse
 import dataclasses
 import gc
+import re
 import sys
 import time
 from pathlib import Path
 
-from jaxserve.config import ATTENTION_BACKENDS, DTYPES, WEIGHT_DTYPES, EngineConfig
+from jaxserve.config import ATTENTION_BACKENDS, DTYPES, KV_DTYPES, WEIGHT_DTYPES, EngineConfig
 from jaxserve.host.buckets import BucketTable
 
 WEIGHT_DTYPE_HELP = (
@@ -150,8 +151,13 @@ def _convert(args: argparse.Namespace) -> int:
 def _engine_flags(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("engine")
     group.add_argument("--max-batch", type=int, default=DEFAULTS["max_batch"])
-    group.add_argument("--num-pages", type=int, default=DEFAULTS["num_pages"],
-                       help="KV pages incl. the null page")
+    group.add_argument("--num-pages", type=int,
+                       help=f"KV pages incl. the null page (default {DEFAULTS['num_pages']})")
+    group.add_argument(
+        "--kv-cache-bytes", type=_byte_size, metavar="SIZE",
+        help="size the KV pool by memory instead of --num-pages, e.g. 768MiB or 2GB "
+        "(per data shard, scales included): a smaller --kv-dtype holds more pages",
+    )
     group.add_argument("--page-size", type=int, default=DEFAULTS["page_size"])
     group.add_argument("--token-budget", type=int, default=DEFAULTS["token_budget"],
                        help="tokens per step")
@@ -162,6 +168,11 @@ def _engine_flags(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument("--weight-dtype", default=DEFAULTS["weight_dtype"],
                        choices=WEIGHT_DTYPES, help=WEIGHT_DTYPE_HELP)
+    group.add_argument(
+        "--kv-dtype", default=DEFAULTS["kv_dtype"], choices=KV_DTYPES,
+        help="how KV pages are stored; auto: in --dtype; int8 keeps a scale per token and "
+        "head, fp8 (e4m3) none",
+    )
     group.add_argument("--attention-backend", choices=ATTENTION_BACKENDS)
     group.add_argument("--tpot-slo-ms", type=float, help="cap the batch so steps stay under 60%%")
     group.add_argument(
@@ -188,6 +199,18 @@ def _engine_flags(parser: argparse.ArgumentParser) -> None:
     )
 
 
+BYTE_UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
+              "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
+
+
+def _byte_size(spec: str) -> int:
+    """Bytes from "805306368", "768MiB", "2GB", "1.5G" (decimal k/M/G/T, binary Ki/Mi/Gi/Ti)."""
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kmgt]i?)?b?\s*", spec.lower())
+    if match is None or float(match[1]) <= 0:
+        raise argparse.ArgumentTypeError(f"expected a size such as 768MiB or 2GB, got {spec!r}")
+    return int(float(match[1]) * BYTE_UNITS[match[2] or ""])
+
+
 def _bucket_table(spec: str) -> BucketTable:
     try:
         return BucketTable.parse(spec)
@@ -196,9 +219,13 @@ def _bucket_table(spec: str) -> BucketTable:
 
 
 def _engine_config(args: argparse.Namespace) -> EngineConfig:
+    if args.num_pages is not None and args.kv_cache_bytes is not None:
+        raise SystemExit("--num-pages and --kv-cache-bytes both size the KV pool: give one")
     return EngineConfig(
         page_size=args.page_size,
-        num_pages=args.num_pages,
+        num_pages=DEFAULTS["num_pages"] if args.num_pages is None else args.num_pages,
+        kv_cache_bytes=args.kv_cache_bytes,
+        kv_dtype=args.kv_dtype,
         max_batch=args.max_batch,
         token_budget=args.token_budget,
         max_model_len=args.max_model_len,
@@ -282,13 +309,13 @@ def _follow(args: argparse.Namespace) -> int:
 
 
 def _plan_flags(plan: argparse.ArgumentParser) -> None:
-    dtypes = ("bf16", "fp8", "int8", "int4")
+    dtypes = ("f32", "bf16", "fp8", "int8", "int4")
     plan.add_argument("--model", required=True, help="preset or config.json (or its directory)")
     plan.add_argument("--weight-dtype", choices=dtypes, default="bf16")
     plan.add_argument("--kv-dtype", choices=dtypes, default="bf16")
     plan.add_argument(
         "--compute-dtype",
-        choices=dtypes[:3],
+        choices=("bf16", "fp8", "int8"),
         default="bf16",
         help="matmul activations: bf16 = weight-only quantization at the bf16 rate",
     )

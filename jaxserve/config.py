@@ -52,6 +52,8 @@ DTYPES = {"auto": None, "float32": "float32", "float": "float32", "bfloat16": "b
           "float16": "float16", "half": "float16"}
 # --weight-dtype's choices, how projections are stored (models/layers.py); auto: in --dtype
 WEIGHT_DTYPES = ("auto", "f32", "bf16", "int8", "fp8")
+# --kv-dtype's choices, how KV pages are stored (device/kv_cache.py); auto: in --dtype
+KV_DTYPES = ("auto", "f32", "bf16", "int8", "fp8")
 ATTENTION_BACKENDS = ("pallas", "pallas-interpret", "cpu", "xla", "reference")  # see attention.py
 
 
@@ -129,6 +131,14 @@ class SamplingParams:
             )
 
 
+def kv_storage(requested: str, dtype: str) -> str:
+    """How KV pages are stored (a KV_DTYPES name): `auto` stores them in the serving
+    `dtype` (float32, bfloat16 or float16, which only auto reaches)."""
+    if requested != "auto":
+        return requested
+    return {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}[dtype]
+
+
 def serving_dtype(requested: str, platform: str) -> str:
     """The dtype weights and activations are served in. `auto`: float32 on CPU, where
     jax 0.10's XLA:CPU has no bf16 path to AMX/AVX512-BF16 and runs bf16 dots 2-10x slower
@@ -144,11 +154,15 @@ class EngineConfig:
 
     page_size: int = 16
     num_pages: int = 1024  # including the reserved null page; per data shard
+    # the KV pool's bytes per data shard: replaces num_pages by the pages that fit, a
+    # page's bytes being page_size × planner.kv_bytes_per_token in kv_dtype
+    kv_cache_bytes: int | None = None
     max_batch: int = 16  # rows in the running batch, per data shard (lowered by tpot_slo_ms)
     token_budget: int = 256  # tokens a step computes (decodes + prefill chunks), per shard
     max_model_len: int | None = None  # None: the model's context, capped by the pool
     dtype: str = "auto"  # weights and activations; see serving_dtype
     weight_dtype: str = "auto"  # how projections are stored (WEIGHT_DTYPES)
+    kv_dtype: str = "auto"  # how KV pages are stored (KV_DTYPES); auto: as dtype
     attention_backend: str | None = None  # None: by platform (see attention.select_backend)
     tpot_slo_ms: float | None = None
     compilation_cache_dir: str | None = None
@@ -182,6 +196,11 @@ class EngineConfig:
             BucketTable(*self.buckets).covers(self.max_batch, self.token_budget)
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.kv_dtype not in KV_DTYPES:
+            raise ValueError(f"kv_dtype must be one of {', '.join(KV_DTYPES)}, got "
+                             f"{self.kv_dtype!r}")
+        if self.kv_cache_bytes is not None and self.kv_cache_bytes < 1:
+            raise ValueError(f"kv_cache_bytes must be positive, got {self.kv_cache_bytes}")
         if self.weight_dtype not in WEIGHT_DTYPES:
             raise ValueError(f"weight_dtype must be one of {', '.join(WEIGHT_DTYPES)}, got "
                              f"{self.weight_dtype!r}")

@@ -14,7 +14,7 @@ from flax import nnx
 
 from jaxserve.checkpoint.default_model import default_model_path
 from jaxserve.checkpoint.loader import load
-from jaxserve.config import EngineConfig, SamplingParams, serving_dtype
+from jaxserve.config import EngineConfig, SamplingParams, kv_storage, serving_dtype
 from jaxserve.device.runner import ModelRunner, WarmupProgress, enable_compilation_cache
 from jaxserve.device.sharding import make_mesh
 from jaxserve.host.buckets import BucketTable
@@ -23,6 +23,7 @@ from jaxserve.host.page_allocator import PageAllocator
 from jaxserve.host.request import check_prompt_ids
 from jaxserve.host.scheduler import Scheduler
 from jaxserve.models import get_model_spec
+from jaxserve.planner import kv_bytes_per_token
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,9 +68,22 @@ class LLM:
         module, self.tokenizer = load(self.model_path, self.dtype, self.mesh, cfg.weight_dtype)
         self.config = module.config
         self.weight_dtype = projection_dtype(module, self.dtype)
+        self.kv_dtype = kv_storage(cfg.kv_dtype, self.dtype.name)
+        self.num_pages = cfg.num_pages
+        if cfg.kv_cache_bytes is not None:
+            c = self.config
+            page = cfg.page_size * kv_bytes_per_token(
+                c.num_layers, c.num_kv_heads, c.head_dim, self.kv_dtype
+            )
+            self.num_pages = cfg.kv_cache_bytes // page
+            if self.num_pages < 2:
+                raise ValueError(
+                    f"kv_cache_bytes={cfg.kv_cache_bytes:,} holds {self.num_pages} pages of "
+                    f"{page:,} B in {self.kv_dtype}: need 2 (one is the null page)"
+                )
         max_model_len = min(
             cfg.max_model_len or self.config.max_position_embeddings,
-            (cfg.num_pages - 1) * cfg.page_size,
+            (self.num_pages - 1) * cfg.page_size,
         )
         if cfg.buckets is None:
             buckets = BucketTable.for_limits(cfg.max_batch, cfg.token_budget)
@@ -78,13 +92,14 @@ class LLM:
         self.runner = ModelRunner(
             module,
             buckets,
-            cfg.num_pages,
+            self.num_pages,
             cfg.page_size,
             max_model_len,
             cfg.max_batch,
             cfg.attention_backend,
             self.dtype,
             self.mesh,
+            self.kv_dtype,
         )
         max_batch = cfg.max_batch
         if cfg.tpot_slo_ms is not None and not warmup:
@@ -102,7 +117,7 @@ class LLM:
                 full = buckets.choose(max_batch, max_batch)
                 self.runner.warmup(worst_case=False, timed={full}, progress=warmup_progress)
         self.scheduler = Scheduler(
-            [PageAllocator(cfg.num_pages) for _ in range(cfg.dp)],
+            [PageAllocator(self.num_pages) for _ in range(cfg.dp)],
             buckets,
             cfg.page_size,
             max_batch,
@@ -121,6 +136,14 @@ class LLM:
     def weight_bytes(self) -> int:
         """Bytes of every parameter on the device (all shards together), scales included."""
         return sum(x.nbytes for x in jax.tree.leaves(self.runner.state))
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Bytes one token's K and V take in the pool on the device, every layer, scales
+        included (all shards together, per data shard's page)."""
+        pool = self.runner.kv_cache
+        held = sum(x.nbytes for x in jax.tree.leaves(pool))
+        return held // (pool.num_pages * pool.page_size)
 
     def encode(self, prompt: str | Sequence[int]) -> list[int]:
         """Token ids of a prompt given as text or ids; RequestRejected (a ValueError) when

@@ -9,7 +9,9 @@ Definitions (all sizes in bytes, GB = 1e9 B, TB/s = 1e12 B/s, TFLOP/s = 1e12 FLO
   plus the final norm (q/k/v biases where the config has them). Llama-3.1-70B: 70,553,706,496.
 - weight bytes = params × weight dtype bytes (every parameter at that dtype, embeddings and
   norms included: a little conservative, ~1.5 % on 70B).
-- KV bytes per token = 2 × layers × kv_heads × head_dim × kv dtype bytes.
+- KV bytes per token = 2 × layers × kv_heads × (head_dim × kv dtype bytes + scale bytes),
+  as the engine stores pages (device/kv_cache.py): int8 keeps an f32 scale per token
+  and head, fp8 (e4m3, vLLM's uncalibrated per-tensor scale of 1) and floats none.
 - KV bytes per sequence = context × KV bytes per token, where `context` is every token a
   sequence holds at its end (prompt + output): what admission reserves in pages.
 - usable KV pool = kv_cap × (chips × HBM − weight bytes − chips × activation_gb).
@@ -67,7 +69,8 @@ from pathlib import Path
 from jaxserve.checkpoint.model_config import config_from_hf, read_hf_config
 
 GB = 1e9
-DTYPE_BYTES = {"bf16": 2.0, "fp8": 1.0, "int8": 1.0, "int4": 0.5}
+DTYPE_BYTES = {"f32": 4.0, "f16": 2.0, "bf16": 2.0, "fp8": 1.0, "int8": 1.0, "int4": 0.5}
+KV_SCALE_BYTES = {"int8": 4}  # per token and head, K and V each (int4: planner-only)
 COMPUTE_DTYPES = ("bf16", "fp8", "int8")
 DEFAULT_EFFICIENCY = 2.5  # real engines land at 2–3× the roofline
 ROOFLINE_BATCHES = tuple(2**i for i in range(10))  # 1 … 512
@@ -304,13 +307,20 @@ class Plan:
         return out
 
 
+def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, kv_dtype: str) -> int:
+    """One token's K and V in every layer, scales included: what the engine's pool holds
+    per token (the engine sizes --kv-cache-bytes' pages with this)."""
+    per_head = head_dim * DTYPE_BYTES[kv_dtype] + KV_SCALE_BYTES.get(kv_dtype, 0)
+    return round(2 * num_layers * num_kv_heads * per_head)
+
+
 def plan(inputs: PlanInputs) -> Plan:
     """Size a deployment: see the module docstring for every definition."""
     model, chip, chips, eff = inputs.model, inputs.chip, inputs.num_chips, inputs.efficiency
     params = model.num_params
     weight_bytes = math.ceil(params * DTYPE_BYTES[inputs.weight_dtype])
-    kv_per_token = round(
-        2 * model.num_layers * model.num_kv_heads * model.head_dim * DTYPE_BYTES[inputs.kv_dtype]
+    kv_per_token = kv_bytes_per_token(
+        model.num_layers, model.num_kv_heads, model.head_dim, inputs.kv_dtype
     )
     kv_per_sequence = inputs.context * kv_per_token
     kv_free = chips * chip.hbm_bytes - weight_bytes - chips * inputs.activation_gb * GB

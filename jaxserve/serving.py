@@ -98,6 +98,15 @@ class EngineClient:
         return self._llm.weight_bytes
 
     @property
+    def kv_dtype(self) -> str:
+        """How KV pages are stored (`--kv-dtype` resolved: f32, bf16, int8 or fp8)."""
+        return self._llm.kv_dtype
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return self._llm.kv_bytes_per_token
+
+    @property
     def num_buckets(self) -> int:
         """Step shapes compiled at start-up."""
         return len(self._runner.buckets.buckets())

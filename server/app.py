@@ -102,9 +102,10 @@ class Server:
         log.info("a step running over %.0f s fails the engine (--step-timeout-s)", limit)
         self.client = client
         self.ready = True
-        log.info("ready: %s in %s (weights %s, %.0f MiB), %d buckets compiled",
-                 self.model_name, client.dtype, client.weight_dtype,
-                 client.weight_bytes / 2**20, client.num_buckets)
+        log.info("ready: %s in %s (weights %s, %.0f MiB; KV %s, %d B/token, %d pages), "
+                 "%d buckets compiled", self.model_name, client.dtype, client.weight_dtype,
+                 client.weight_bytes / 2**20, client.kv_dtype, client.kv_bytes_per_token,
+                 client.stats().pages_usable, client.num_buckets)
 
     def _compiled(self, progress) -> None:
         """Each bucket compiled at start-up, counted for /health (the runner logs it)."""
@@ -245,7 +246,7 @@ class Server:
         client = self.client
         card = {"id": self.model_name, "object": "model", "created": 0, "owned_by": "jaxserve",
                 "max_model_len": client.max_model_len, "dtype": client.dtype,
-                "weight_dtype": client.weight_dtype}
+                "weight_dtype": client.weight_dtype, "kv_dtype": client.kv_dtype}
         return json_response({"object": "list", "data": [card]})
 
     async def health(self, request: web.Request) -> web.Response:

@@ -183,8 +183,8 @@ class ChatCompletionChunk(_Body):
 
 class Model(_Body):
     """OpenAI's model card, and what is served (extensions): the context, the dtype
-    activations compute in, and how the projection weights are stored (float32, bfloat16,
-    int8, float8_e4m3fn)."""
+    activations compute in, how the projection weights are stored (float32, bfloat16,
+    int8, float8_e4m3fn) and how KV pages are (f32, bf16, int8, fp8)."""
 
     id: str
     object: Literal["model"]
@@ -193,6 +193,7 @@ class Model(_Body):
     max_model_len: int
     dtype: str
     weight_dtype: str
+    kv_dtype: str
 
 
 class ModelList(_Body):

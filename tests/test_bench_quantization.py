@@ -13,7 +13,12 @@ def test_help_names_the_weight_dtypes():
     run = subprocess.run([sys.executable, "bench/quantization.py", "--help"], cwd=ROOT,
                          capture_output=True, text=True, timeout=60)
     assert run.returncode == 0, run.stderr
-    assert "--weight-dtypes" in run.stdout
+    assert "--weight-dtypes" in run.stdout and "--kv-dtypes" in run.stdout
+
+
+def test_conditions_pair_each_dtype_with_the_other_in_f32():
+    assert quantization.conditions(["auto", "int8"], ["fp8"]) == {
+        "auto": ("auto", "auto"), "int8": ("int8", "auto"), "kv-fp8": ("auto", "fp8")}
 
 
 def test_agreement_counts_tokens_before_the_first_divergence():

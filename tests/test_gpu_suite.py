@@ -11,7 +11,7 @@ from serving import ROOT  # also puts bench/ on sys.path
 
 pytestmark = pytest.mark.slow  # starts servers or multi-device processes
 
-PARTS = ("env", "kernels", "engine", "serving")
+PARTS = ("env", "kernels", "engine", "serving", "quantized")
 
 
 def run_suite(*args: str, timeout: float) -> subprocess.CompletedProcess:
@@ -35,6 +35,11 @@ def test_dry_run_passes_every_part(tmp_path, smollm2_gguf):
     serving = json.loads((tmp_path / "serving.json").read_text())
     assert len(serving["greedy"]) == 5 and all(a["tokens"] for a in serving["greedy"])
     assert [r["completed"] for r in serving["results"]] == [r["sent"] for r in serving["results"]]
+    quantized = json.loads((tmp_path / "quantized.json").read_text())["results"]
+    assert [r["variant"] for r in quantized] == [
+        v for v in ("bf16", "fp8 KV", "int8 weights", "fp8 weights") for _ in (1, 2)]
+    assert all(r["step_ms"] > 0 for r in quantized)
+    assert {r["kv_dtype"] for r in quantized} == {"f32", "fp8"}  # dry: f32 activations
     summary = (tmp_path / "summary.md").read_text()
     for part in PARTS:
         assert f"| {part} | ok |" in summary and f"## {part}: ok" in summary

@@ -125,7 +125,7 @@ def test_health_models_and_metrics_names(server, client):
     status, _, body = http(server + "/v1/models")
     assert status == 200 and body["object"] == "list" and body["data"][0]["id"] == MODEL
     card = body["data"][0]  # what is served, beside OpenAI's fields
-    assert (card["dtype"], card["weight_dtype"]) == ("float32", "float32")
+    assert (card["dtype"], card["weight_dtype"], card["kv_dtype"]) == ("float32", "float32", "f32")
     assert 0 < card["max_model_len"] <= 2048
 
     client.completions.create(model=MODEL, prompt="Hi", max_tokens=2, seed=0)

@@ -227,6 +227,18 @@ def test_int8_weights_and_their_scales_shard_like_the_weights(random_run):
     assert int8["scale_spec"] == [None, "model"]
 
 
+def test_int8_kv_and_its_scales_shard_over_kv_heads_and_pages(random_run):
+    kv = random_run["int8_kv"]
+    assert kv["logits_error"] < 1e-4  # tp 4 × dp 2 computes what one device does
+    assert 0 < kv["error_vs_f32"] < 0.05  # rounded, not another computation
+    assert kv["values_dtype"] == "int8"
+    # the scales sit with their values: over KV heads (tp 4 divides 4) and data shards
+    assert kv["values_spec"] == [None, "model", "data", None, None]
+    assert kv["scale_spec"] == [None, "model", "data", None]
+    engine = random_run["engine_int8_kv"]
+    assert engine == {"tokens_match": True, "compiles_after_warmup": 0}
+
+
 def test_engine_on_a_mesh_generates_the_tokens_of_one_device_without_compiling(random_run):
     engine = random_run["engine"]
     assert engine["tokens_match"]
@@ -457,15 +469,16 @@ def _layer_bytes(state) -> tuple[list[int], int]:
 PAGE_SIZE, NUM_PAGES = 4, 40
 
 
-def _logits_over_steps(model, mesh=None) -> tuple[np.ndarray, object]:
+def _logits_over_steps(model, mesh=None, kv_dtype: str = "f32") -> tuple[np.ndarray, object]:
     """Logits of every token of a prefill of 3 prompts and 3 decode steps (pages shuffled
-    between sequences), run unsharded or on `mesh`; and the final KV cache."""
+    between sequences), run unsharded or on `mesh`, KV stored as `kv_dtype`; and the
+    final KV cache."""
     import dataclasses
 
     from flax import nnx
 
     from jaxserve.device.batch import pack_step
-    from jaxserve.device.kv_cache import init_kv_cache
+    from jaxserve.device.kv_cache import KV_STORAGE, SCALED, init_kv_cache
     from jaxserve.device.sharding import Layout
     from jaxserve.device.step import forward, sharded_forward
     from jaxserve.host.plan import Chunk
@@ -485,11 +498,16 @@ def _logits_over_steps(model, mesh=None) -> tuple[np.ndarray, object]:
     cfg = model.config
     graphdef, state = nnx.split(model)
     kv_shape = (cfg.num_layers, cfg.num_kv_heads, NUM_PAGES, PAGE_SIZE, cfg.head_dim)
-    layout = None if mesh is None else Layout.build(mesh, state, kv_shape, param_axes(cfg))
+    scaled = kv_dtype in SCALED
+    layout = None if mesh is None else Layout.build(
+        mesh, state, kv_shape, param_axes(cfg), scaled
+    )
     run = forward if layout is None else sharded_forward(layout)
     kv = init_kv_cache(
         cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, NUM_PAGES, PAGE_SIZE,
+        KV_STORAGE[kv_dtype],
         sharding=None if layout is None else layout.kv_cache.k,
+        scale_sharding=None if layout is None else layout.kv_cache.k_scale,
     )
     out = []
     for chunks in steps:
@@ -501,8 +519,9 @@ def _logits_over_steps(model, mesh=None) -> tuple[np.ndarray, object]:
     return np.concatenate(out), kv
 
 
-def _engine_check(model_dir: Path, tp: int, dp: int) -> dict:
-    """Greedy tokens of mixed requests on one device and, after warm-up, on a tp × dp mesh."""
+def _engine_check(model_dir: Path, tp: int, dp: int, kv_dtype: str = "auto") -> dict:
+    """Greedy tokens of mixed requests on one device and, after warm-up, on a tp × dp mesh,
+    KV stored as `kv_dtype`."""
     from jaxserve import LLM, SamplingParams
     from jaxserve.device.runner import compile_count
 
@@ -510,7 +529,8 @@ def _engine_check(model_dir: Path, tp: int, dp: int) -> dict:
     requests = [rng.integers(3, 256, int(n)).tolist() for n in rng.integers(1, 40, 6)]
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     # 3 buckets: (1 token, 1 row), (2, 1), (2, 2)
-    sizes = {"max_batch": 2, "num_pages": 64, "page_size": 4, "token_budget": 2}
+    sizes = {"max_batch": 2, "num_pages": 64, "page_size": 4, "token_budget": 2,
+             "kv_dtype": kv_dtype}
     alone = LLM(model_dir, **sizes).generate(requests, params)
     llm = LLM(model_dir, tp=tp, dp=dp, **sizes)
     llm.runner.warmup(repeats=1)
@@ -567,7 +587,16 @@ def _random_scenario(directory: Path) -> dict:
         "error_vs_f32": float(np.abs(want_int8 - want).max() / np.abs(want).max()),
         "values_spec": list(q.values.sharding.spec), "scale_spec": list(q.scale.sharding.spec),
     }
+    want_kv, _ = _logits_over_steps(load(model_dir)[0], kv_dtype="int8")
+    got, kv = _logits_over_steps(load(model_dir, mesh=mesh)[0], mesh, kv_dtype="int8")
+    result["int8_kv"] = {
+        "logits_error": float(np.abs(got - want_kv).max()),
+        "error_vs_f32": float(np.abs(want_kv - want).max() / np.abs(want).max()),
+        "values_spec": list(kv.k.sharding.spec), "scale_spec": list(kv.k_scale.sharding.spec),
+        "values_dtype": str(kv.k.dtype),
+    }
     result["engine"] = _engine_check(model_dir, 4, 2)
+    result["engine_int8_kv"] = _engine_check(model_dir, 4, 2, "int8")
     result["seconds"]["engine"] = round(time.perf_counter() - start, 1)
     return result
 

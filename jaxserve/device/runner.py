@@ -27,7 +27,7 @@ from flax import nnx
 
 from jaxserve.device.attention import select_backend
 from jaxserve.device.batch import pack_step
-from jaxserve.device.kv_cache import init_kv_cache
+from jaxserve.device.kv_cache import KV_STORAGE, SCALED, init_kv_cache, storage_name
 from jaxserve.device.multihost import SCORE, STEP, StepChannel, is_leader
 from jaxserve.device.sampling import init_penalty_state
 from jaxserve.device.sharding import DATA, Layout
@@ -110,22 +110,30 @@ class ModelRunner:
         attention_backend: str | None = None,
         dtype: jnp.dtype = jnp.float32,
         mesh: jax.sharding.Mesh | None = None,
+        kv_dtype: str | None = None,
     ):
+        """`kv_dtype` is how pages store K and V (a kv_cache.KV_STORAGE name); None: in
+        `dtype`."""
         cfg = model.config
         self.graphdef, self.state = nnx.split(model)
         self.buckets = buckets
         self.page_size = page_size
         self.max_pages = -(-max_model_len // page_size)
-        self.backend = select_backend(attention_backend, dtype, page_size, cfg.head_dim)
+        self.kv_dtype = kv_dtype or storage_name(dtype)
+        self.backend = select_backend(
+            attention_backend, dtype, self.kv_dtype, page_size, cfg.head_dim
+        )
         self.num_shards = 1 if mesh is None else mesh.shape[DATA]
         pool = num_pages * self.num_shards
         kv_shape = (cfg.num_layers, cfg.num_kv_heads, pool, page_size, cfg.head_dim)
         self.layout = None if mesh is None else Layout.build(
-            mesh, self.state, kv_shape, param_axes(cfg)
+            mesh, self.state, kv_shape, param_axes(cfg), self.kv_dtype in SCALED
         )
         self.kv_cache = init_kv_cache(
-            cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, pool, page_size, dtype,
-            None if self.layout is None else self.layout.kv_cache.k,
+            cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, pool, page_size,
+            KV_STORAGE[self.kv_dtype],
+            *((None, None) if self.layout is None else
+              (self.layout.kv_cache.k, self.layout.kv_cache.k_scale)),
         )
         self.spare_row = num_rows  # each shard's last penalty row
         self.penalties = init_penalty_state(

@@ -149,20 +149,21 @@ class Layout:
 
     mesh: Mesh
     state: nnx.State  # NamedSharding per parameter, shaped like the model state
-    kv_cache: KVCache  # NamedSharding of k and of v
+    kv_cache: KVCache  # NamedSharding of k and of v (and of their scales, if any)
     replicated: NamedSharding  # results, and the inputs of forward passes outside the step
     data: NamedSharding  # axis 0 over "data": step inputs and the penalty state
 
     @staticmethod
     def build(
         mesh: Mesh, state: nnx.State, kv_shape: Sequence[int],
-        axes: Mapping[str, Sequence[str | None]],
+        axes: Mapping[str, Sequence[str | None]], scaled: bool = False,
     ) -> "Layout":
+        """`scaled`: the pool keeps a scale per token and head (kv_cache.SCALED)."""
         kv = kv_sharding(mesh, kv_shape)
+        scale = NamedSharding(mesh, partition_spec(KV_AXES[:-1], kv_shape[:-1], mesh))
+        kv_cache = KVCache(kv, kv, scale, scale) if scaled else KVCache(kv, kv)
         data = NamedSharding(mesh, PartitionSpec(DATA))
-        return Layout(
-            mesh, state_shardings(mesh, state, axes), KVCache(kv, kv), replicated(mesh), data
-        )
+        return Layout(mesh, state_shardings(mesh, state, axes), kv_cache, replicated(mesh), data)
 
 
 def device_bytes(tree: object) -> dict[jax.Device, int]:
