@@ -88,11 +88,7 @@ class CompileSeconds:
 
 
 def roofline_plan(config: ModelConfig, context: int) -> planner.Plan:
-    shape = planner.ModelShape(
-        "random", config.num_layers, config.hidden_size, config.intermediate_size,
-        config.num_heads, config.num_kv_heads, config.head_dim, config.vocab_size,
-        config.tie_word_embeddings,
-    )
+    shape = planner.shape_of(config, "random")
     return planner.plan(planner.PlanInputs(shape, planner.load_chip("H200"), context=context))
 
 

@@ -124,13 +124,30 @@ def serve_and_measure(model: Path, name: str, weight_dtype: str, kv_dtype: str,
             "ttft_ms_p50_c16": report["ttft_ms"]["p50"]}
 
 
+def memory(llm) -> dict:
+    """The weights' bytes and the KV bytes per token as the engine holds them, and the
+    planner's figures for the same model and dtypes."""
+    from jaxserve import planner
+    from jaxserve.device.kv_cache import storage_name  # a dtype's short name: f32, int8, ...
+
+    c = llm.config
+    return {
+        "weight_bytes": llm.weight_bytes,
+        "planner_weight_bytes": planner.stored_weight_bytes(
+            planner.shape_of(c, "served"), storage_name(llm.weight_dtype),
+            storage_name(llm.dtype)),
+        "kv_bytes_per_token": llm.kv_bytes_per_token,
+        "planner_kv_bytes_per_token": planner.kv_bytes_per_token(
+            c.num_layers, c.num_kv_heads, c.head_dim, llm.kv_dtype),
+    }
+
+
 def step_times(model: Path, conds: dict[str, tuple[str, str]], steps: int) -> dict:
     """Decode step time at batch 1 and 16 per condition, interleaved, in process; the
     weights' bytes on the device, and the KV bytes per token (the engine's and the
     planner's)."""
-    from jaxserve import LLM
+    from jaxserve import LLM, planner
     from jaxserve.host.page_allocator import PageAllocator
-    from jaxserve.planner import kv_bytes_per_token
 
     out: dict = {}
     llms = {name: LLM(model, weight_dtype=w, kv_dtype=k, max_batch=16, token_budget=16,
@@ -138,15 +155,9 @@ def step_times(model: Path, conds: dict[str, tuple[str, str]], steps: int) -> di
             for name, (w, k) in conds.items()}
     plans = {}
     for name, llm in llms.items():
-        c = llm.config
-        out[name] = {
-            "weight_dtype": conds[name][0], "kv_dtype": llm.kv_dtype,
-            "weight_bytes": llm.weight_bytes, "weight_storage": llm.weight_dtype,
-            "kv_bytes_per_token": llm.kv_bytes_per_token,
-            "planner_kv_bytes_per_token": kv_bytes_per_token(
-                c.num_layers, c.num_kv_heads, c.head_dim, llm.kv_dtype),
-            "attention_backend": llm.runner.backend,
-        }
+        out[name] = {"weight_dtype": conds[name][0], "kv_dtype": llm.kv_dtype,
+                     "weight_storage": llm.weight_dtype, "attention_backend": llm.runner.backend,
+                     **memory(llm)}
         allocator = PageAllocator(512)
         plans[name] = {b: fabricated_step(allocator, (b, b), b, 1, 256, llm.runner.page_size,
                                           c.vocab_size) for b in (1, 16)}
@@ -171,11 +182,13 @@ def markdown(report: dict) -> str:
     rows = []
     for name, r in report["results"].items():
         agree = [agreement(a, b) for a, b in zip(r["greedy"], ref["greedy"])]
-        kv = f"{r['kv_bytes_per_token']:,}"
+        kv, weights = f"{r['kv_bytes_per_token']:,}", fmt(r["weight_bytes"] / 2**20)
         if r["planner_kv_bytes_per_token"] != r["kv_bytes_per_token"]:
             kv += f" (planner: {r['planner_kv_bytes_per_token']:,})"
+        if r.get("planner_weight_bytes") != r["weight_bytes"]:
+            weights += f" (planner: {fmt(r.get('planner_weight_bytes', 0) / 2**20)})"
         rows.append([
-            name, r["stored"], r["kv_stored"], fmt(r["weight_bytes"] / 2**20), kv,
+            name, r["stored"], r["kv_stored"], weights, kv,
             fmt(r["log_likelihood"], 4),
             f"{100 * r['ll_relative_diff']:.2f} % (≤ {100 * BOUNDS[name]:g} %: "
             f"{'ok' if r['ll_ok'] else 'FAILS'})",
@@ -183,7 +196,7 @@ def markdown(report: dict) -> str:
             fmt(r["step_ms_b16"]), fmt(r["output_tokens_per_s_c16"]),
         ])
     table = markdown_table(
-        ["condition", "weights", "KV", "weights MiB", "KV B/token (= planner)",
+        ["condition", "weights", "KV", "weights MiB (= planner)", "KV B/token (= planner)",
          "mean log-lik/token", "ΔLL vs f32", "greedy agreement (5 prompts)",
          "decode step b=1 ms", "b=16 ms", "tok/s @ c=16"],
         rows)

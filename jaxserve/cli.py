@@ -87,6 +87,11 @@ def main(argv: list[str] | None = None) -> int:
         "and the process exits 1 (default: 10x the slowest warm-up step, at least 30)",
     )
     serve.add_argument(
+        "--heap-trim-interval-s", type=float, default=10.0,
+        help="return the C heap's free pages to the OS this often, so RSS follows what is "
+        "held (glibc's malloc_trim, a few ms on a worker thread); 0: never",
+    )
+    serve.add_argument(
         "--shared-prefix-cache",
         action="store_true",
         help="one prefix cache for all tenants (default with API keys: one per tenant)",
@@ -283,6 +288,7 @@ def _serve(args: argparse.Namespace) -> int:
             stream_write_timeout_s=args.stream_write_timeout,
             step_timeout_s=args.step_timeout_s,
             default_chat_max_tokens=args.default_max_tokens,
+            heap_trim_interval_s=args.heap_trim_interval_s,
             shared_prefix_cache=args.shared_prefix_cache,
             engine=_engine_config(args),
         )
@@ -313,6 +319,8 @@ def _plan_flags(plan: argparse.ArgumentParser) -> None:
     plan.add_argument("--model", required=True, help="preset or config.json (or its directory)")
     plan.add_argument("--weight-dtype", choices=dtypes, default="bf16")
     plan.add_argument("--kv-dtype", choices=dtypes, default="bf16")
+    plan.add_argument("--dtype", choices=("bf16", "f32"), default="bf16",
+                      help="what jaxserve serves in: activations, embeddings and norms")
     plan.add_argument(
         "--compute-dtype",
         choices=("bf16", "fp8", "int8"),
@@ -366,6 +374,7 @@ def _plan(args: argparse.Namespace) -> int:
             weight_dtype=args.weight_dtype,
             kv_dtype=args.kv_dtype,
             compute_dtype=args.compute_dtype,
+            dtype=args.dtype,
             context=args.context,
             output_tokens=args.output_tokens,
             tpot_slo_ms=args.tpot_slo_ms,

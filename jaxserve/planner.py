@@ -8,7 +8,10 @@ Definitions (all sizes in bytes, GB = 1e9 B, TB/s = 1e12 B/s, TFLOP/s = 1e12 FLO
   q/k/v/o projections, a gated MLP (3 × hidden × intermediate) and two RMSNorm weights,
   plus the final norm (q/k/v biases where the config has them). Llama-3.1-70B: 70,553,706,496.
 - weight bytes = params × weight dtype bytes (every parameter at that dtype, embeddings and
-  norms included: a little conservative, ~1.5 % on 70B).
+  norms included), the roofline's convention. What jaxserve's engine holds differs a little,
+  and is given too: stored weight bytes = projections × weight dtype bytes + an f32 scale
+  per output column where they are int8/fp8 + every other parameter (embeddings, head,
+  norms, biases) at the serving `dtype` (Llama-3.1-70B in fp8 on bf16: 72.7 GB, +3 %).
 - KV bytes per token = 2 × layers × kv_heads × (head_dim × kv dtype bytes + scale bytes),
   as the engine stores pages (device/kv_cache.py): int8 keeps an f32 scale per token
   and head, fp8 (e4m3, vLLM's uncalibrated per-tensor scale of 1) and floats none.
@@ -67,10 +70,13 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from jaxserve.checkpoint.model_config import config_from_hf, read_hf_config
+from jaxserve.config import ModelConfig
 
 GB = 1e9
 DTYPE_BYTES = {"f32": 4.0, "f16": 2.0, "bf16": 2.0, "fp8": 1.0, "int8": 1.0, "int4": 0.5}
 KV_SCALE_BYTES = {"int8": 4}  # per token and head, K and V each (int4: planner-only)
+SCALED_WEIGHTS = ("int8", "fp8")  # the weight dtypes jaxserve stores with per-column scales
+SERVING_DTYPES = ("f32", "bf16", "f16")
 COMPUTE_DTYPES = ("bf16", "fp8", "int8")
 DEFAULT_EFFICIENCY = 2.5  # real engines land at 2–3× the roofline
 ROOFLINE_BATCHES = tuple(2**i for i in range(10))  # 1 … 512
@@ -101,6 +107,16 @@ class ModelShape:
         embeddings = self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
         return embeddings + self.num_layers * layer + self.hidden_size
 
+    @property
+    def projection_params(self) -> tuple[int, int]:
+        """(parameters, output columns) of every layer's q/k/v/o and MLP projections: what
+        `--weight-dtype` quantizes, one scale per output column."""
+        h, f = self.hidden_size, self.intermediate_size
+        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        params = 2 * h * q + 2 * h * kv + 3 * h * f
+        columns = q + 2 * kv + h + 2 * f + h
+        return self.num_layers * params, self.num_layers * columns
+
 
 MODELS = {  # from each model's config.json on the Hugging Face hub
     "llama-3.1-70b": ModelShape("llama-3.1-70b", 80, 8192, 28672, 64, 8, 128, 128256),
@@ -119,9 +135,13 @@ def model_shape(spec: str) -> ModelShape:
         path = path / "config.json"
     if not path.is_file():
         raise ValueError(f"model must be one of {sorted(MODELS)} or a config.json, got {spec!r}")
-    c = config_from_hf(read_hf_config(path), str(path))
+    return shape_of(config_from_hf(read_hf_config(path), str(path)), str(path))
+
+
+def shape_of(c: ModelConfig, name: str) -> ModelShape:
+    """The planner's shape of a model the engine loads."""
     return ModelShape(
-        str(path), c.num_layers, c.hidden_size, c.intermediate_size, c.num_heads,
+        name, c.num_layers, c.hidden_size, c.intermediate_size, c.num_heads,
         c.num_kv_heads, c.head_dim, c.vocab_size, c.tie_word_embeddings, c.attention_bias,
     )
 
@@ -209,6 +229,7 @@ class PlanInputs:
     weight_dtype: str = "bf16"
     kv_dtype: str = "bf16"
     compute_dtype: str = "bf16"  # matmul activations; fp8/int8: W8A8 at the chip's 8-bit rate
+    dtype: str = "bf16"  # what jaxserve serves in (--dtype): activations, embeddings, norms
     context: int = 2048  # tokens a sequence holds at its end: prompt + output
     output_tokens: int = 256
     tpot_slo_ms: float = 50.0
@@ -224,6 +245,8 @@ class PlanInputs:
         for name in ("weight_dtype", "kv_dtype"):
             if getattr(self, name) not in DTYPE_BYTES:
                 raise ValueError(f"{name} must be one of {list(DTYPE_BYTES)}")
+        if self.dtype not in SERVING_DTYPES:
+            raise ValueError(f"dtype must be one of {list(SERVING_DTYPES)}")
         if self.compute_dtype not in COMPUTE_DTYPES:
             raise ValueError(f"compute_dtype must be one of {list(COMPUTE_DTYPES)}")
         if self.num_chips < 1 or not 0 <= self.output_tokens < self.context:
@@ -280,6 +303,7 @@ class Plan:
     inputs: PlanInputs
     num_params: int
     weight_bytes: int
+    stored_weight_bytes: int  # as jaxserve's engine holds them (see the module docstring)
     kv_bytes_per_token: int
     kv_bytes_per_sequence: int
     kv_free_bytes: int  # HBM left after weights and activations, before the cap
@@ -312,6 +336,15 @@ def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, kv_dty
     per token (the engine sizes --kv-cache-bytes' pages with this)."""
     per_head = head_dim * DTYPE_BYTES[kv_dtype] + KV_SCALE_BYTES.get(kv_dtype, 0)
     return round(2 * num_layers * num_kv_heads * per_head)
+
+
+def stored_weight_bytes(model: ModelShape, weight_dtype: str, dtype: str) -> int:
+    """The bytes of weights jaxserve's engine holds: the projections in `weight_dtype` (with
+    an f32 scale per output column where quantized), every other parameter in `dtype`."""
+    projections, columns = model.projection_params
+    scales = 4 * columns if weight_dtype in SCALED_WEIGHTS else 0
+    rest = model.num_params - projections
+    return round(projections * DTYPE_BYTES[weight_dtype] + scales + rest * DTYPE_BYTES[dtype])
 
 
 def plan(inputs: PlanInputs) -> Plan:
@@ -360,6 +393,7 @@ def plan(inputs: PlanInputs) -> Plan:
         inputs=inputs,
         num_params=params,
         weight_bytes=weight_bytes,
+        stored_weight_bytes=stored_weight_bytes(model, inputs.weight_dtype, inputs.dtype),
         kv_bytes_per_token=kv_per_token,
         kv_bytes_per_sequence=kv_per_sequence,
         kv_free_bytes=math.floor(kv_free),
@@ -395,7 +429,8 @@ def format_report(result: Plan) -> str:
         "",
         "memory",
         f"  weights          {result.weight_bytes / GB:9.2f} GB "
-        f"({result.weight_bytes / GB / n:.2f} per chip)",
+        f"({result.weight_bytes / GB / n:.2f} per chip; as jaxserve stores them, the rest "
+        f"in {inp.dtype}: {result.stored_weight_bytes / GB:.2f} GB)",
         f"  activations      {n * inp.activation_gb:9.2f} GB "
         f"({inp.activation_gb:g} per chip, reserved)",
         f"  KV pool          {result.kv_free_bytes / GB:9.2f} GB free, "

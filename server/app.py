@@ -22,7 +22,7 @@ from jaxserve.config import EngineConfig, SamplingParams
 from jaxserve.host.request import RequestRejected
 from jaxserve.serving import EngineClient, EngineFailed
 from server import openai_format as fmt
-from server import openapi, prompts
+from server import heap, openapi, prompts
 from server.admission import QueuePolicy
 from server.connections import ConnectionLimits, Site, read_body_within
 from server.metrics import Metrics
@@ -51,6 +51,7 @@ class ServerConfig:
     # a step running longer fails the engine (None: 10x the slowest warm-up step, >= 30 s)
     step_timeout_s: float | None = None
     default_chat_max_tokens: int = 256  # OpenAI's completions default (16) is kept as is
+    heap_trim_interval_s: float = 10.0  # return free heap pages to the OS (heap.py); 0: never
     shared_prefix_cache: bool = False  # with API keys, each tenant has its own prefix cache
     engine: EngineConfig = field(default_factory=EngineConfig)
 
@@ -321,9 +322,11 @@ async def serve(config: ServerConfig) -> int:
         loop.add_signal_handler(sig, stop.set)
     loader = loop.run_in_executor(None, server.load)
     watcher = asyncio.create_task(_watch_engine(server, stop))
+    trimmer = asyncio.create_task(heap.trim_periodically(config.heap_trim_interval_s))
     await stop.wait()
     failed = watcher.done()
     watcher.cancel()
+    trimmer.cancel()
     if failed:  # /health says "failed" for a moment, for probes and the clients' last events
         await asyncio.sleep(FAILED_GRACE_S)
     log.info("draining: refusing new requests, finishing live ones")

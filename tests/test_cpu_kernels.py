@@ -109,7 +109,7 @@ def test_quantized_pools_match_the_reference_on_their_dequantized_values(
     shape = (num_layers, num_kv_heads, NUM_PAGES, page_size, head_dim)
     k, k_scale, k_f32 = store(rng.standard_normal(shape, np.float32), storage)
     v, v_scale, v_f32 = store(rng.standard_normal(shape, np.float32), storage)
-    assert k.dtype == KV_STORAGE[storage] and (k_scale is None) == (storage != "int8")
+    assert kv_cache.value_dtype(k.dtype) == KV_STORAGE[storage] and (k_scale is None) == (storage != "int8")
     scale = head_dim**-0.5
     run = jax.jit(lambda *a, **s: cpu_paged_attention(*a, scale=scale, **s))
     for rows in rows_cases(rng, page_size)[:3]:
@@ -258,7 +258,7 @@ def test_the_kernel_itself_refuses_other_dtypes_and_misshapen_scales():
             jnp.zeros((2, 2), jnp.int32), jnp.zeros((1,), jnp.int32))
     q, dummy = jnp.zeros((4, 2, 16), jnp.float32), jnp.zeros((1,), jnp.float32)
     f16 = jnp.zeros((1, 2, 8, 4, 16), jnp.float16)
-    with pytest.raises(Exception, match="must be f32, bf16, s8 or f8e4m3fn"):
+    with pytest.raises(Exception, match=r"must be f32, bf16 \(or its u16 bits\), s8 or f8e4m3fn"):
         jax.block_until_ready(ffi(q, f16, f16, dummy, dummy, *ints, scale=np.float32(1)))
     s8 = jnp.zeros((1, 2, 8, 4, 16), jnp.int8)
     with pytest.raises(Exception, match="s8 k/v need scales"):

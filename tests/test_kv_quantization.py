@@ -1,6 +1,6 @@
 """--kv-dtype: KV pages stored as int8 (a scale per token and head), fp8 (e4m3) or bf16;
 the bytes a token takes, as the engine holds them, equal the planner's; a pool sized by
-bytes holds the pages that fit; and the quantized cache keeps the engine's invariants
+bytes holds the pages that fit; and quantized KV or weights keep the engine's invariants
 (batch invariance, chunked prefill = unchunked, prefix cache on = off)."""
 
 import json
@@ -15,7 +15,15 @@ import pytest
 from serving import running_server
 
 from jaxserve import LLM, SamplingParams
-from jaxserve.device.kv_cache import FP8_MAX, KV_STORAGE, KVCache, dequantize, quantize, write_kv
+from jaxserve.device.kv_cache import (
+    FP8_MAX,
+    KV_STORAGE,
+    KVCache,
+    dequantize,
+    quantize,
+    value_dtype,
+    write_kv,
+)
 from jaxserve.planner import kv_bytes_per_token
 
 ENGINE = {"max_batch": 4, "token_budget": 64, "num_pages": 64, "page_size": 4}
@@ -34,7 +42,7 @@ def test_round_trips_stay_within_each_formats_bound():
     assert (np.abs(back - x) <= absmax / 254 * (1 + 1e-5)).all()  # half a step of absmax/127
 
     values, scale = quantize(jnp.asarray(x), jnp.float8_e4m3fn)
-    assert values.dtype == jnp.float8_e4m3fn and scale is None
+    assert values.dtype == jnp.uint8 and scale is None  # e4m3 values, kept as their bits
     back = np.asarray(dequantize(values, None, jnp.float32))
     # e4m3: 3 mantissa bits (half an ulp is 2^-4 relative); subnormals step by 2^-9
     assert (np.abs(back - x) <= np.abs(x) * 2**-4 + 2**-10).all()
@@ -75,7 +83,7 @@ def test_the_engines_kv_bytes_per_token_are_the_planners(tiny_model, kv_dtype, i
     assert llm.kv_bytes_per_token == want  # from the arrays on the device
     assert kv_bytes_per_token(c.num_layers, c.num_kv_heads, c.head_dim, kv_dtype) == want
     assert llm.kv_dtype == kv_dtype
-    assert llm.runner.kv_cache.k.dtype == KV_STORAGE[kv_dtype]
+    assert value_dtype(llm.runner.kv_cache.k.dtype) == KV_STORAGE[kv_dtype]
 
 
 def test_a_pool_sized_by_bytes_holds_more_of_the_smaller_pages(tiny_model):
@@ -105,29 +113,32 @@ def tokens(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
     return [o.token_ids for o in llm.generate(prompts, GREEDY)]
 
 
-@pytest.mark.parametrize("kv_dtype", ["int8", "fp8"])
-@pytest.mark.parametrize("backend", ["cpu", "xla"])
-def test_a_quantized_cache_keeps_the_engines_invariants(tiny_model, kv_dtype, backend):
-    llm = LLM(tiny_model, kv_dtype=kv_dtype, attention_backend=backend, debug_checks=True,
-              **ENGINE)
+@pytest.mark.parametrize(("weight_dtype", "kv_dtype", "backend"), [
+    ("auto", "int8", "cpu"), ("auto", "fp8", "cpu"), ("auto", "bf16", "cpu"),
+    ("auto", "int8", "xla"), ("auto", "fp8", "xla"),
+    ("int8", "auto", "cpu"), ("fp8", "auto", "cpu"), ("bf16", "auto", "cpu"),
+])
+def test_quantized_storage_keeps_the_engines_invariants(tiny_model, weight_dtype, kv_dtype,
+                                                        backend):
+    """Quantized weights or KV, through the whole engine: batch invariance, chunked
+    prefill = unchunked, prefix cache on = off."""
+    stored = {"weight_dtype": weight_dtype, "kv_dtype": kv_dtype, "attention_backend": backend}
+    llm = LLM(tiny_model, debug_checks=True, **stored, **ENGINE)
     alone = [tokens(llm, [p])[0] for p in PROMPTS]
     assert tokens(llm, PROMPTS) == alone  # batch invariance
     # a budget of 8 tokens cuts the 17- and 30-token prompts into chunks
-    chunked = LLM(tiny_model, kv_dtype=kv_dtype, attention_backend=backend,
-                  **{**ENGINE, "token_budget": 8})
+    chunked = LLM(tiny_model, **stored, **{**ENGINE, "token_budget": 8})
     assert tokens(chunked, PROMPTS) == alone
     # the same prompts again: their full pages now come from the prefix cache
     assert tokens(llm, PROMPTS) == alone
     assert llm.scheduler.allocators[0].num_cached > 0
-    uncached = LLM(tiny_model, kv_dtype=kv_dtype, attention_backend=backend,
-                   prefix_caching=False, **ENGINE)
+    uncached = LLM(tiny_model, prefix_caching=False, **stored, **ENGINE)
     assert tokens(uncached, PROMPTS) == alone
-    # and the cache is really quantized: f32 pages give other logits somewhere
+    # and the storage is really another: f32 gives other logits somewhere
     f32 = LLM(tiny_model, attention_backend=backend, **ENGINE)
-    want = [o.prompt_logprobs for o in f32.generate(PROMPTS, SamplingParams(
-        max_tokens=1, prompt_logprobs=0))]
-    got = [o.prompt_logprobs for o in llm.generate(PROMPTS, SamplingParams(
-        max_tokens=1, prompt_logprobs=0))]
+    scored = SamplingParams(max_tokens=1, prompt_logprobs=0)
+    want = [o.prompt_logprobs for o in f32.generate(PROMPTS, scored)]
+    got = [o.prompt_logprobs for o in llm.generate(PROMPTS, scored)]
     diffs = [abs(a - b) for w, g in zip(want, got) for a, b in zip(w[1:], g[1:])]
     assert 0 < max(diffs) < 0.5
 

@@ -71,6 +71,13 @@ def test_worked_example_through_the_api():
     result = planner.plan(example())
     assert result.num_params == 70_553_706_496
     assert result.weight_bytes == result.num_params  # fp8: one byte each
+    # as the engine stores them: embeddings, head and norms stay bf16, and each projection
+    # column has an f32 scale (the roofline keeps the example's every-byte-fp8 convention)
+    vocab = 2 * 128_256 * 8192 + 80 * 2 * 8192 + 8192
+    projections = result.num_params - vocab
+    columns = 80 * (8192 + 2 * 1024 + 8192 + 2 * 28672 + 8192)
+    assert result.stored_weight_bytes == projections + 4 * columns + 2 * vocab
+    assert result.stored_weight_bytes == near(72.7e9, rel=0.001)
     check_worked_example(result.to_json())
     assert planner.queue_bound(0.400, 40) == 16
 

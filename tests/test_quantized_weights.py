@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxserve import LLM, SamplingParams
+from jaxserve import LLM, SamplingParams, planner
 from jaxserve.checkpoint.loader import load
 from jaxserve.checkpoint.weights import WeightsError
 from jaxserve.cli import main
@@ -38,6 +38,17 @@ def test_projections_are_stored_as_asked_and_counted(tiny_model, weight_dtype, s
     assert llm.runner.state["embed"][...].dtype == np.float32  # only projections change
     [out] = llm.generate([[5, 6, 7]], GREEDY)
     assert len(out.token_ids) == 5
+
+
+@pytest.mark.parametrize("weight_dtype", ["auto", "bf16", "int8", "fp8"])
+def test_the_engines_weight_bytes_are_the_planners(tiny_model, weight_dtype):
+    llm = LLM(tiny_model, weight_dtype=weight_dtype, **ENGINE)
+    shape = planner.model_shape(str(tiny_model))
+    stored = "f32" if weight_dtype == "auto" else weight_dtype
+    assert llm.weight_bytes == planner.stored_weight_bytes(shape, stored, "f32")
+    assert planner.plan(planner.PlanInputs(
+        shape, planner.CHIPS["h100"], weight_dtype=stored, dtype="f32")
+    ).stored_weight_bytes == llm.weight_bytes
 
 
 def test_an_unknown_weight_dtype_is_refused(tiny_model):

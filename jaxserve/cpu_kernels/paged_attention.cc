@@ -363,12 +363,17 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::An
   const auto qd = q.dimensions(), kd = k.dimensions(), pd = page_table.dimensions();
   if (qd.size() != 3 || kd.size() != 5 || pd.size() != 2)
     return ffi::Error::InvalidArgument("paged_attention: q must be 3-D, k/v 5-D, page_table 2-D");
-  const ffi::DataType dtype = k.element_type();
+  if (v.element_type() != k.element_type() || !(v.dimensions() == kd))
+    return ffi::Error::InvalidArgument("paged_attention: k and v differ in dtype or shape");
+  // the engine keeps bf16 and fp8 pools as their bits (u16, u8: see kv_cache.py)
+  ffi::DataType dtype = k.element_type();
+  if (dtype == ffi::DataType::U16) dtype = ffi::DataType::BF16;
+  if (dtype == ffi::DataType::U8) dtype = ffi::DataType::F8E4M3FN;
   if (dtype != ffi::DataType::F32 && dtype != ffi::DataType::BF16 &&
       dtype != ffi::DataType::S8 && dtype != ffi::DataType::F8E4M3FN)
-    return ffi::Error::InvalidArgument("paged_attention: k/v must be f32, bf16, s8 or f8e4m3fn");
-  if (v.element_type() != dtype || !(v.dimensions() == kd))
-    return ffi::Error::InvalidArgument("paged_attention: k and v differ in dtype or shape");
+    return ffi::Error::InvalidArgument(
+        "paged_attention: k/v must be f32, bf16 (or its u16 bits), s8 or f8e4m3fn (or its u8 "
+        "bits)");
   if (dtype == ffi::DataType::S8 &&
       !(k_scale.dimensions() == kd.first(4) && v_scale.dimensions() == kd.first(4)))
     return ffi::Error::InvalidArgument("paged_attention: s8 k/v need scales shaped [L, H, P, S]");

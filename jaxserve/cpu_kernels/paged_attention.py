@@ -24,8 +24,10 @@ log = logging.getLogger(__name__)
 
 TARGET = "jaxserve_paged_attention"
 MAX_PAGE_SIZE = 256  # kMaxPageSize in paged_attention.cc
-# pool dtypes the kernel reads (F32, BF16, S8, F8E4M3FN in paged_attention.cc)
-STORAGES = tuple(jnp.dtype(d) for d in (jnp.float32, jnp.bfloat16, jnp.int8, jnp.float8_e4m3fn))
+# pool dtypes the kernel reads (F32, BF16, S8, F8E4M3FN in paged_attention.cc), and the
+# bits the engine keeps bf16 and fp8 in (U16, U8: kv_cache.BITS)
+STORAGES = tuple(jnp.dtype(d) for d in (jnp.float32, jnp.bfloat16, jnp.int8, jnp.float8_e4m3fn,
+                                        jnp.uint16, jnp.uint8))
 
 
 def fits(page_size: int, head_dim: int) -> bool:

@@ -52,7 +52,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 # kv_cache imports only jax: no cycle through jaxserve.device.attention
-from jaxserve.device.kv_cache import dequantize
+from jaxserve.device.kv_cache import dequantize, value_dtype
 
 NULL_PAGE = 0  # the reserved page (see jaxserve.device.kv_cache)
 # Finite, so a row that has seen no key keeps a finite max and exp(max - new_max) is defined.
@@ -80,8 +80,12 @@ def check_pool(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array) -> int:
         raise ValueError(f"k_pages has dtype {k_pages.dtype} but v_pages has dtype {v_pages.dtype}")
     if not jnp.issubdtype(q.dtype, jnp.floating):
         raise ValueError(f"q must be floating point, got {q.dtype}")
-    if not (jnp.issubdtype(k_pages.dtype, jnp.floating) or k_pages.dtype == jnp.int8):
-        raise ValueError(f"k_pages must be floating point or int8, got {k_pages.dtype}")
+    pages = value_dtype(k_pages.dtype)
+    if not (jnp.issubdtype(pages, jnp.floating) or pages == jnp.int8):
+        raise ValueError(
+            f"k_pages must be floating point, int8, or bf16/fp8 bits (uint16/uint8), got "
+            f"{k_pages.dtype}"
+        )
     num_heads, head_dim = q.shape[1:]
     num_kv_heads = k_pages.shape[-4]
     if num_heads % num_kv_heads:
@@ -120,7 +124,7 @@ def compute_dtype(q_dtype: jnp.dtype, pages_dtype: jnp.dtype) -> jnp.dtype:
     """The dtype the pages are dequantized to and the dots run in: q's, or the pages' where
     a wider float (bf16 q over an f32 pool computes in f32). One-byte storages (int8, fp8)
     never set it: q is never cast down to them."""
-    q_dtype, pages_dtype = jnp.dtype(q_dtype), jnp.dtype(pages_dtype)
+    q_dtype, pages_dtype = jnp.dtype(q_dtype), value_dtype(pages_dtype)
     if pages_dtype.itemsize == 1:
         return q_dtype
     return jnp.promote_types(q_dtype, pages_dtype)
