@@ -146,7 +146,7 @@ def step_times(model: Path, conds: dict[str, tuple[str, str]], steps: int) -> di
     """Decode step time at batch 1 and 16 per condition, interleaved, in process; the
     weights' bytes on the device, and the KV bytes per token (the engine's and the
     planner's)."""
-    from jaxserve import LLM, planner
+    from jaxserve import LLM
     from jaxserve.host.page_allocator import PageAllocator
 
     out: dict = {}
@@ -160,7 +160,7 @@ def step_times(model: Path, conds: dict[str, tuple[str, str]], steps: int) -> di
                      **memory(llm)}
         allocator = PageAllocator(512)
         plans[name] = {b: fabricated_step(allocator, (b, b), b, 1, 256, llm.runner.page_size,
-                                          c.vocab_size) for b in (1, 16)}
+                                          llm.config.vocab_size) for b in (1, 16)}
         for plan in plans[name].values():  # compile and warm
             llm.runner.execute(plan)
             llm.runner.execute(plan)

@@ -21,8 +21,8 @@ from aiohttp import web
 from jaxserve.config import EngineConfig, SamplingParams
 from jaxserve.host.request import RequestRejected
 from jaxserve.serving import EngineClient, EngineFailed
-from server import openai_format as fmt
 from server import heap, openapi, prompts
+from server import openai_format as fmt
 from server.admission import QueuePolicy
 from server.connections import ConnectionLimits, Site, read_body_within
 from server.metrics import Metrics

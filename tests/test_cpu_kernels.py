@@ -109,7 +109,8 @@ def test_quantized_pools_match_the_reference_on_their_dequantized_values(
     shape = (num_layers, num_kv_heads, NUM_PAGES, page_size, head_dim)
     k, k_scale, k_f32 = store(rng.standard_normal(shape, np.float32), storage)
     v, v_scale, v_f32 = store(rng.standard_normal(shape, np.float32), storage)
-    assert kv_cache.value_dtype(k.dtype) == KV_STORAGE[storage] and (k_scale is None) == (storage != "int8")
+    assert kv_cache.value_dtype(k.dtype) == KV_STORAGE[storage]
+    assert (k_scale is None) == (storage != "int8")
     scale = head_dim**-0.5
     run = jax.jit(lambda *a, **s: cpu_paged_attention(*a, scale=scale, **s))
     for rows in rows_cases(rng, page_size)[:3]:
