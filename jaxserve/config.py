@@ -131,14 +131,6 @@ class SamplingParams:
             )
 
 
-def kv_storage(requested: str, dtype: str) -> str:
-    """How KV pages are stored (a KV_DTYPES name): `auto` stores them in the serving
-    `dtype` (float32, bfloat16 or float16, which only auto reaches)."""
-    if requested != "auto":
-        return requested
-    return {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}[dtype]
-
-
 def serving_dtype(requested: str, platform: str) -> str:
     """The dtype weights and activations are served in. `auto`: float32 on CPU, where
     jax 0.10's XLA:CPU has no bf16 path to AMX/AVX512-BF16 and runs bf16 dots 2-10x slower

@@ -14,7 +14,8 @@ from flax import nnx
 
 from jaxserve.checkpoint.default_model import default_model_path
 from jaxserve.checkpoint.loader import load
-from jaxserve.config import EngineConfig, SamplingParams, kv_storage, serving_dtype
+from jaxserve.config import EngineConfig, SamplingParams, serving_dtype
+from jaxserve.device.kv_cache import storage_name
 from jaxserve.device.runner import ModelRunner, WarmupProgress, enable_compilation_cache
 from jaxserve.device.sharding import make_mesh
 from jaxserve.host.buckets import BucketTable
@@ -68,7 +69,8 @@ class LLM:
         module, self.tokenizer = load(self.model_path, self.dtype, self.mesh, cfg.weight_dtype)
         self.config = module.config
         self.weight_dtype = projection_dtype(module, self.dtype)
-        self.kv_dtype = kv_storage(cfg.kv_dtype, self.dtype.name)
+        # auto: pages in the serving dtype (f16 only there: --dtype float16)
+        self.kv_dtype = storage_name(self.dtype) if cfg.kv_dtype == "auto" else cfg.kv_dtype
         self.num_pages = cfg.num_pages
         if cfg.kv_cache_bytes is not None:
             c = self.config

@@ -64,19 +64,16 @@ def cpu_paged_attention(
 ) -> jax.Array:  # f32[num_tokens, num_heads, head_dim]; zeros for padding tokens
     """Causal attention of a flat batch of prefill chunks and decodes over paged K/V."""
     paged.check_pool(q, k_pages, v_pages)
-    paged.check_scales(k_pages, k_scale, v_scale)
+    scales = paged.scale_operands(k_pages, k_scale, v_scale)
     if q.dtype != jnp.float32:
         raise ValueError(f"the CPU kernel takes f32 q only, got {q.dtype}")
     if k_pages.dtype not in STORAGES:
         raise ValueError(
             f"the CPU kernel reads pools of {', '.join(map(str, STORAGES))}, got {k_pages.dtype}"
         )
-    one_layer = k_pages.ndim == 4
     k_pages, v_pages, layer = paged.every_layer(k_pages, v_pages, layer)
-    if k_scale is None:  # the kernel always takes scales; it reads them for int8 only
-        k_scale = v_scale = jnp.zeros((1,), jnp.float32)
-    elif one_layer:
-        k_scale, v_scale = k_scale[None], v_scale[None]
+    # the kernel always takes scales; it reads them for int8 only
+    k_scale, v_scale = scales or [jnp.zeros((1,), jnp.float32)] * 2
     num_tokens = q.shape[0]
     page_size, head_dim = k_pages.shape[3:]
     if not fits(page_size, head_dim):

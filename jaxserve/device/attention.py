@@ -18,16 +18,18 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from jaxserve.config import ATTENTION_BACKENDS
+from jaxserve.cpu_kernels.paged_attention import STORAGES as CPU_POOLS
 from jaxserve.cpu_kernels.paged_attention import available as cpu_kernel_available
 from jaxserve.cpu_kernels.paged_attention import cpu_paged_attention
 from jaxserve.cpu_kernels.paged_attention import fits as cpu_kernel_fits
-from jaxserve.device.kv_cache import KVCache
+from jaxserve.device.kv_cache import KV_STORAGE, KVCache
 from jaxserve.device.sharding import MODEL
 from jaxserve.pallas_kernels.blocked_jnp import blocked_paged_attention
 from jaxserve.pallas_kernels.ragged_attention import ragged_paged_attention
 from jaxserve.pallas_kernels.reference import ragged_paged_attention_reference
 
-CPU_KERNEL_STORAGE = ("f32", "bf16", "int8", "fp8")  # KV storages the C++ kernel reads
+# the --kv-dtype storages the C++ kernel reads
+CPU_KERNEL_STORAGE = tuple(n for n, d in KV_STORAGE.items() if jnp.dtype(d) in CPU_POOLS)
 
 
 def select_backend(
