@@ -4,7 +4,7 @@ Page size 16 with head size 64 or 128 runs the kernel's specialized loops; the o
 shapes run its generic ones. Rows mix decodes, whole prefills and chunks with ragged
 lengths, with padding rows and tokens, as the engine packs them. Quantized pools (bf16,
 int8 with scales, fp8) are checked against the reference on the same pool dequantized
-by kv_cache.dequantize: both see identical values, so they agree to f32 rounding.
+by storage.dequantize: both see identical values, so they agree to f32 rounding.
 """
 
 import functools
@@ -19,6 +19,7 @@ from jaxserve.cpu_kernels.paged_attention import TARGET, available, cpu_paged_at
 from jaxserve.device import kv_cache
 from jaxserve.device.kv_cache import KV_STORAGE
 from jaxserve.pallas_kernels.reference import ragged_paged_attention_reference_lens
+from jaxserve.pallas_kernels.storage import dequantize, value_dtype
 
 pytestmark = pytest.mark.skipif(not available(), reason="no C++ compiler here")
 
@@ -70,7 +71,7 @@ def store(x: np.ndarray, storage: str) -> tuple[jax.Array, jax.Array | None, np.
     """x (f32, [..., head_dim]) as `storage` keeps it: the values, their scales (int8) or
     None, and what they dequantize to in f32."""
     values, scale = kv_cache.quantize(jnp.asarray(x), KV_STORAGE[storage])
-    return values, scale, np.asarray(kv_cache.dequantize(values, scale, jnp.float32))
+    return values, scale, np.asarray(dequantize(values, scale, jnp.float32))
 
 
 def scales(k_scale, v_scale) -> dict:
@@ -109,7 +110,7 @@ def test_quantized_pools_match_the_reference_on_their_dequantized_values(
     shape = (num_layers, num_kv_heads, NUM_PAGES, page_size, head_dim)
     k, k_scale, k_f32 = store(rng.standard_normal(shape, np.float32), storage)
     v, v_scale, v_f32 = store(rng.standard_normal(shape, np.float32), storage)
-    assert kv_cache.value_dtype(k.dtype) == KV_STORAGE[storage]
+    assert value_dtype(k.dtype) == KV_STORAGE[storage]
     assert (k_scale is None) == (storage != "int8")
     scale = head_dim**-0.5
     run = jax.jit(lambda *a, **s: cpu_paged_attention(*a, scale=scale, **s))
@@ -154,7 +155,7 @@ def test_every_stored_value_is_dequantized_exactly(storage):
         jnp.zeros((1, 1, head_dim), jnp.float32), jnp.asarray(k), jnp.asarray(v),
         jnp.array([0, 1], jnp.int32), jnp.array([1], jnp.int32), jnp.array([[1]], jnp.int32),
         0, scale=1.0, **scaled)
-    want = kv_cache.dequantize(jnp.asarray(codes), None if v_scale is None else
+    want = dequantize(jnp.asarray(codes), None if v_scale is None else
                                jnp.asarray(v_scale[0, 0, 1, 0]), jnp.float32)
     got, want = np.asarray(got)[0, 0], np.asarray(want)
     # XLA runs the kernel with denormals flushed: bf16's f32-subnormal values read as 0,

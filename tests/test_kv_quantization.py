@@ -19,11 +19,10 @@ from jaxserve.device.kv_cache import (
     FP8_MAX,
     KV_STORAGE,
     KVCache,
-    dequantize,
     quantize,
-    value_dtype,
     write_kv,
 )
+from jaxserve.pallas_kernels.storage import dequantize, value_dtype
 from jaxserve.planner import kv_bytes_per_token
 
 ENGINE = {"max_batch": 4, "token_budget": 64, "num_pages": 64, "page_size": 4}

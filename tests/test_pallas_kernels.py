@@ -22,6 +22,7 @@ from jaxserve.pallas_kernels.reference import (
     ragged_paged_attention_reference,
     ragged_paged_attention_reference_lens,
 )
+from jaxserve.pallas_kernels.storage import dequantize, value_dtype
 
 PAGE_SIZE = 4
 HEAD_DIM = 16
@@ -393,7 +394,7 @@ def test_gpu_tiles_are_checked_unless_interpreting():
     ("num_heads", "num_kv_heads", "head_dim", "dtype", "q_dtype"),
     [(32, 8, 128, jnp.bfloat16, jnp.float32), (6, 2, 64, jnp.float32, jnp.float32),
      (32, 8, 128, jnp.int8, jnp.bfloat16), (6, 2, 64, jnp.float8_e4m3fn, jnp.float32),
-     # bf16 and fp8 as the engine keeps them: their bits (kv_cache.BITS)
+     # bf16 and fp8 as the engine keeps them: their bits (pallas_kernels.storage.BITS)
      (32, 8, 128, jnp.uint16, jnp.bfloat16), (32, 8, 128, jnp.uint8, jnp.bfloat16)],
     ids=["llama3-8b-bf16", "group3-f32", "llama3-8b-int8", "group3-fp8", "llama3-8b-bf16-bits",
          "llama3-8b-fp8-bits"],
@@ -447,9 +448,9 @@ def stored_cache(rng, num_kv_heads, storage, num_layers=None):
         x = rng.standard_normal(shape, np.float32)
         x *= np.exp2(rng.uniform(-2, 2, shape[:-1] + (1,))).astype(np.float32)
         values, scale = kv_cache.quantize(jnp.asarray(x), kv_cache.KV_STORAGE[storage])
-        assert kv_cache.value_dtype(values.dtype) == kv_cache.KV_STORAGE[storage]
+        assert value_dtype(values.dtype) == kv_cache.KV_STORAGE[storage]
         stored[name], stored[f"{name}_scale"] = values, scale
-        exact.append(np.asarray(kv_cache.dequantize(values, scale, jnp.float32)))
+        exact.append(np.asarray(dequantize(values, scale, jnp.float32)))
     return stored, exact
 
 

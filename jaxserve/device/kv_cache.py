@@ -22,19 +22,14 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
+from jaxserve.pallas_kernels.storage import BITS, value_dtype
+
 # --kv-dtype's choices past auto: how pages store K and V
 KV_STORAGE = {"f32": jnp.float32, "bf16": jnp.bfloat16, "int8": jnp.int8,
               "fp8": jnp.float8_e4m3fn, "f16": jnp.float16}  # f16: only --dtype float16's auto
 SCALED = ("int8",)  # storages that keep a scale per token and head
 FP8_MAX = 448.0  # e4m3's largest finite value
-# bf16 and fp8 values live in the pool as their bits. XLA:CPU computes those types in f32,
-# so a scatter into a bf16 or fp8 pool converted all of it, there and back, every layer of
-# every step (SmolLM2: a 1.9 s decode step against 80 ms with f32 or int8 pages); unsigned
-# integers of the same width scatter in place, and readers reinterpret only the pages they
-# gather (`dequantize`).
-BITS = {jnp.dtype(jnp.bfloat16): jnp.dtype(jnp.uint16),
-        jnp.dtype(jnp.float8_e4m3fn): jnp.dtype(jnp.uint8)}
-VALUES = {bits: value for value, bits in BITS.items()}
+# bf16 and fp8 pools hold their bits (BITS; why: jaxserve.pallas_kernels.storage)
 
 
 @jax.tree_util.register_dataclass
@@ -55,11 +50,6 @@ class KVCache:
     @property
     def num_pages(self) -> int:
         return self.k.shape[2]
-
-
-def value_dtype(dtype: jnp.dtype) -> jnp.dtype:
-    """The values a pool (or a block of it) of `dtype` holds: bf16 or fp8 for their bits."""
-    return VALUES.get(jnp.dtype(dtype), jnp.dtype(dtype))
 
 
 def storage_name(dtype: jnp.dtype) -> str:
@@ -109,15 +99,6 @@ def quantize(x: jax.Array, dtype: jnp.dtype) -> tuple[jax.Array, jax.Array | Non
     if value in BITS:
         x = jax.lax.bitcast_convert_type(x, BITS[value])
     return x, scale
-
-
-def dequantize(values: jax.Array, scale: jax.Array | None, dtype: jnp.dtype) -> jax.Array:
-    """Stored values (bf16 and fp8 as their bits; with their scale, [...] for values
-    [..., head_dim]) in `dtype`."""
-    if values.dtype in VALUES:
-        values = jax.lax.bitcast_convert_type(values, VALUES[values.dtype])
-    out = values.astype(dtype)
-    return out if scale is None else out * scale[..., None].astype(dtype)
 
 
 def write_kv(

@@ -18,8 +18,8 @@ after the gather, so only the block is ever converted, never the pool.
 import jax
 import jax.numpy as jnp
 
-from jaxserve.device.kv_cache import dequantize
-from jaxserve.pallas_kernels.paged_attention import check_scales, compute_dtype
+from .paged_attention import check_scales, compute_dtype
+from .storage import dequantize
 
 
 def tile_shape(num_tokens: int, num_rows: int) -> tuple[int, int]:

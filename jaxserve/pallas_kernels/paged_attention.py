@@ -51,8 +51,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-# kv_cache imports only jax: no cycle through jaxserve.device.attention
-from jaxserve.device.kv_cache import dequantize, value_dtype
+from .storage import dequantize, value_dtype
 
 NULL_PAGE = 0  # the reserved page (see jaxserve.device.kv_cache)
 # Finite, so a row that has seen no key keeps a finite max and exp(max - new_max) is defined.

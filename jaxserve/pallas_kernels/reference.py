@@ -19,8 +19,8 @@ or the pages' where that is a wider float.
 import jax
 import jax.numpy as jnp
 
-from jaxserve.device.kv_cache import dequantize
-from jaxserve.pallas_kernels.paged_attention import check_scales, compute_dtype
+from .paged_attention import check_scales, compute_dtype
+from .storage import dequantize
 
 
 def ragged_paged_attention_reference(
