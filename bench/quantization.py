@@ -1,12 +1,13 @@
 """Quantization on this machine: accuracy against f32, memory, step time and speed.
 
-    .venv/bin/python bench/quantization.py [--weight-dtypes auto,bf16,int8,fp8]
+    .venv/bin/python bench/quantization.py [--weight-dtypes f32,bf16,int8,fp8]
         [--kv-dtypes int8,fp8] [--model PATH] [--steps 20]
         [--out bench/results/quantization.json]
 
-Conditions, side by side: each --weight-dtype with the KV in f32 (keyed by its name; auto:
-the projections in f32, the reference), and each --kv-dtype with f32 weights (keyed
-"kv-int8", "kv-fp8"). For each:
+Conditions, side by side: each --weight-dtype with the KV in f32 (keyed by its name; f32,
+the first, is the reference; bf16 runs on the AMX kernel where the CPU has it, and then
+also through XLA, keyed "bf16-xla"; auto is what the engine picks here), and each
+--kv-dtype with f32 weights (keyed "kv-int8", "kv-fp8"). For each:
 - accuracy, through a live `jaxserve serve --weight-dtype W --kv-dtype K` (the
   lm-evaluation-harness path: /v1/completions with `echo` and `logprobs`):
   - log-likelihood: the mean log-probability per token of a fixed text (Python's own
@@ -55,7 +56,7 @@ GGUF = ROOT / "checkpoints" / "SmolLM2-135M-Instruct.Q4_1.gguf"
 TEXT = Path(sysconfig.get_paths()["stdlib"]) / "LICENSE.txt"  # fixed, natural English
 NEW_TOKENS = 32
 # |ΔLL| ÷ |LL| each condition must meet
-BOUNDS = {"auto": 0.0, "f32": 0.0, "bf16": 0.01, "int8": 0.01, "fp8": 0.02,
+BOUNDS = {"auto": 0.01, "f32": 0.0, "bf16": 0.01, "bf16-xla": 0.01, "int8": 0.01, "fp8": 0.02,
           "kv-bf16": 0.01, "kv-int8": 0.01, "kv-fp8": 0.01}
 MAX_MODEL_LEN = 4096
 
@@ -91,19 +92,25 @@ def agreement(a: list[str], b: list[str]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
-def conditions(weight_dtypes: list[str], kv_dtypes: list[str]) -> dict[str, tuple[str, str]]:
-    """Each condition's name and its (weight dtype, KV dtype)."""
-    out = {w: (w, "auto") for w in weight_dtypes}
-    out.update({f"kv-{k}": ("auto", k) for k in kv_dtypes})
+def conditions(weight_dtypes: list[str], kv_dtypes: list[str], amx: bool
+               ) -> dict[str, tuple[str, str, str]]:
+    """Each condition's name and its (weight dtype, KV dtype, linear backend)."""
+    out = {"f32": ("f32", "auto", "auto")}
+    for w in weight_dtypes:
+        out[w] = (w, "auto", "auto")
+        if w == "bf16" and amx:
+            out["bf16-xla"] = (w, "auto", "xla")
+    out.update({f"kv-{k}": ("f32", k, "auto") for k in kv_dtypes})
     return out
 
 
 def serve_and_measure(model: Path, name: str, weight_dtype: str, kv_dtype: str,
-                      text: str) -> dict:
+                      linear_backend: str, text: str) -> dict:
     """Start a server storing its weights and KV as told; score, generate, load it."""
     port = free_port()
     cmd = [sys.executable, "-m", "jaxserve.cli", "serve", "--model", str(model),
            "--port", str(port), "--weight-dtype", weight_dtype, "--kv-dtype", kv_dtype,
+           "--linear-backend", linear_backend,
            "--max-model-len", str(MAX_MODEL_LEN),
            "--compilation-cache-dir", str(ROOT / ".cache" / "jax")]
     url = f"http://127.0.0.1:{port}"
@@ -142,7 +149,7 @@ def memory(llm) -> dict:
     }
 
 
-def step_times(model: Path, conds: dict[str, tuple[str, str]], steps: int) -> dict:
+def step_times(model: Path, conds: dict[str, tuple[str, str, str]], steps: int) -> dict:
     """Decode step time at batch 1 and 16 per condition, interleaved, in process; the
     weights' bytes on the device, and the KV bytes per token (the engine's and the
     planner's)."""
@@ -150,13 +157,15 @@ def step_times(model: Path, conds: dict[str, tuple[str, str]], steps: int) -> di
     from jaxserve.host.page_allocator import PageAllocator
 
     out: dict = {}
-    llms = {name: LLM(model, weight_dtype=w, kv_dtype=k, max_batch=16, token_budget=16,
-                      num_pages=512, max_model_len=1024, buckets=((1, 16), (1, 16)))
-            for name, (w, k) in conds.items()}
+    llms = {name: LLM(model, weight_dtype=w, kv_dtype=k, linear_backend=b, max_batch=16,
+                      token_budget=16, num_pages=512, max_model_len=1024,
+                      buckets=((1, 16), (1, 16)))
+            for name, (w, k, b) in conds.items()}
     plans = {}
     for name, llm in llms.items():
         out[name] = {"weight_dtype": conds[name][0], "kv_dtype": llm.kv_dtype,
                      "weight_storage": llm.weight_dtype, "attention_backend": llm.runner.backend,
+                     "linear_backend": llm.linear_backend,
                      **memory(llm)}
         allocator = PageAllocator(512)
         plans[name] = {b: fabricated_step(allocator, (b, b), b, 1, 256, llm.runner.page_size,
@@ -225,19 +234,24 @@ def plot(report: dict, path: Path) -> str | None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--weight-dtypes", default="auto,bf16,int8,fp8")
+    parser.add_argument("--weight-dtypes", default="auto,bf16,int8,fp8",
+                        help="beside f32, the reference, which always runs")
     parser.add_argument("--kv-dtypes", default="int8,fp8")
     parser.add_argument("--model", type=Path, default=GGUF)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--out", type=Path, default=RESULTS / "quantization.json")
     args = parser.parse_args()
-    conds = conditions(*([x.strip() for x in arg.split(",") if x.strip()]
-                         for arg in (args.weight_dtypes, args.kv_dtypes)))
+    from jaxserve.cpu_kernels import linear
+
+    weight_dtypes, kv_dtypes = ([x.strip() for x in arg.split(",") if x.strip() not in ("", "f32")]
+                                for arg in (args.weight_dtypes, args.kv_dtypes))
+    conds = conditions(weight_dtypes, kv_dtypes, linear.available())
     text = TEXT.read_text()
     results = step_times(args.model, conds, args.steps)
-    for name, (w, k) in conds.items():
-        print(f"serving --weight-dtype {w} --kv-dtype {k} ...", file=sys.stderr, flush=True)
-        results[name].update(serve_and_measure(args.model, name, w, k, text))
+    for name, (w, k, b) in conds.items():
+        print(f"serving --weight-dtype {w} --kv-dtype {k} --linear-backend {b} ...",
+              file=sys.stderr, flush=True)
+        results[name].update(serve_and_measure(args.model, name, w, k, b, text))
     reference = next(iter(conds))
     base = results[reference]["log_likelihood"]
     for name, r in results.items():

@@ -8,7 +8,14 @@ import sys
 import time
 from pathlib import Path
 
-from jaxserve.config import ATTENTION_BACKENDS, DTYPES, KV_DTYPES, WEIGHT_DTYPES, EngineConfig
+from jaxserve.config import (
+    ATTENTION_BACKENDS,
+    DTYPES,
+    KV_DTYPES,
+    LINEAR_BACKENDS,
+    WEIGHT_DTYPES,
+    EngineConfig,
+)
 from jaxserve.host.buckets import BucketTable
 
 WEIGHT_DTYPE_HELP = (
@@ -172,13 +179,19 @@ def _engine_flags(parser: argparse.ArgumentParser) -> None:
         help="weights and activations; auto: float32 on CPU (faster there), bfloat16 on GPU",
     )
     group.add_argument("--weight-dtype", default=DEFAULTS["weight_dtype"],
-                       choices=WEIGHT_DTYPES, help=WEIGHT_DTYPE_HELP)
+                       choices=WEIGHT_DTYPES, help=WEIGHT_DTYPE_HELP + ", except bf16 on Intel "
+                       "AMX (--linear-backend) where the CPU has it and --dtype is float32")
     group.add_argument(
         "--kv-dtype", default=DEFAULTS["kv_dtype"], choices=KV_DTYPES,
         help="how KV pages are stored; auto: in --dtype; int8 keeps a scale per token and "
         "head, fp8 (e4m3) none",
     )
     group.add_argument("--attention-backend", choices=ATTENTION_BACKENDS)
+    group.add_argument(
+        "--linear-backend", default=DEFAULTS["linear_backend"], choices=LINEAR_BACKENDS,
+        help="how bf16 projections multiply: amx packs them for Intel AMX (one CPU device, "
+        "--dtype float32); auto: amx where it can run, else xla",
+    )
     group.add_argument("--tpot-slo-ms", type=float, help="cap the batch so steps stay under 60%%")
     group.add_argument(
         "--buckets", type=_bucket_table, metavar="TOKENS:ROWS",
@@ -237,6 +250,7 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
         dtype=args.dtype,
         weight_dtype=args.weight_dtype,
         attention_backend=args.attention_backend,
+        linear_backend=args.linear_backend,
         tpot_slo_ms=args.tpot_slo_ms,
         compilation_cache_dir=args.compilation_cache_dir or None,
         stream_capacity=args.stream_buffer,

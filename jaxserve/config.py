@@ -51,10 +51,13 @@ MAX_LOGIT_BIAS = 128
 DTYPES = {"auto": None, "float32": "float32", "float": "float32", "bfloat16": "bfloat16",
           "float16": "float16", "half": "float16"}
 # --weight-dtype's choices, how projections are stored (models/layers.py); auto: in --dtype
+# (bf16 on a CPU with AMX: llm.py)
 WEIGHT_DTYPES = ("auto", "f32", "bf16", "int8", "fp8")
 # --kv-dtype's choices, how KV pages are stored (device/kv_cache.py); auto: in --dtype
 KV_DTYPES = ("auto", "f32", "bf16", "int8", "fp8")
 ATTENTION_BACKENDS = ("pallas", "pallas-interpret", "cpu", "xla", "reference")  # see attention.py
+# how bf16 projections multiply (cpu_kernels/linear.py): auto is amx where it can run
+LINEAR_BACKENDS = ("auto", "amx", "xla")
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,6 +159,7 @@ class EngineConfig:
     weight_dtype: str = "auto"  # how projections are stored (WEIGHT_DTYPES)
     kv_dtype: str = "auto"  # how KV pages are stored (KV_DTYPES); auto: as dtype
     attention_backend: str | None = None  # None: by platform (see attention.select_backend)
+    linear_backend: str = "auto"  # LINEAR_BACKENDS
     tpot_slo_ms: float | None = None
     compilation_cache_dir: str | None = None
     stream_capacity: int = 256  # unread outputs a request keeps apart; past it they merge
@@ -193,6 +197,9 @@ class EngineConfig:
                              f"{self.kv_dtype!r}")
         if self.kv_cache_bytes is not None and self.kv_cache_bytes < 1:
             raise ValueError(f"kv_cache_bytes must be positive, got {self.kv_cache_bytes}")
+        if self.linear_backend not in LINEAR_BACKENDS:
+            raise ValueError(f"linear_backend must be one of {', '.join(LINEAR_BACKENDS)}, got "
+                             f"{self.linear_backend!r}")
         if self.weight_dtype not in WEIGHT_DTYPES:
             raise ValueError(f"weight_dtype must be one of {', '.join(WEIGHT_DTYPES)}, got "
                              f"{self.weight_dtype!r}")

@@ -14,7 +14,9 @@ from flax import nnx
 
 from jaxserve.checkpoint.default_model import default_model_path
 from jaxserve.checkpoint.loader import load
+from jaxserve.checkpoint.weights import pack_projections, store_projections
 from jaxserve.config import EngineConfig, SamplingParams, serving_dtype
+from jaxserve.cpu_kernels import linear
 from jaxserve.device.kv_cache import storage_name
 from jaxserve.device.runner import ModelRunner, WarmupProgress, enable_compilation_cache
 from jaxserve.device.sharding import make_mesh
@@ -68,7 +70,17 @@ class LLM:
         self.dtype = jnp.dtype(serving_dtype(cfg.dtype, jax.default_backend()))
         module, self.tokenizer = load(self.model_path, self.dtype, self.mesh, cfg.weight_dtype)
         self.config = module.config
+        if (cfg.weight_dtype == "auto" and projection_dtype(module, self.dtype) == "float32"
+                and linear.select(cfg.linear_backend, "bfloat16", self.dtype,
+                                  self.mesh is None) == "amx"):
+            # auto on a CPU with AMX: bf16 projections on the AMX kernel, 3x the tokens/s of
+            # f32 at 0.06 % of its log-likelihood (README); --weight-dtype f32 keeps f32
+            module = store_projections(module, "bf16")
         self.weight_dtype = projection_dtype(module, self.dtype)
+        self.linear_backend = linear.select(cfg.linear_backend, self.weight_dtype, self.dtype,
+                                            self.mesh is None)
+        if self.linear_backend == "amx":
+            module = pack_projections(module)
         # auto: pages in the serving dtype (f16 only there: --dtype float16)
         self.kv_dtype = storage_name(self.dtype) if cfg.kv_dtype == "auto" else cfg.kv_dtype
         self.num_pages = cfg.num_pages

@@ -134,7 +134,7 @@ def test_quantized_storage_keeps_the_engines_invariants(tiny_model, weight_dtype
     uncached = LLM(tiny_model, prefix_caching=False, **stored, **ENGINE)
     assert tokens(uncached, PROMPTS) == alone
     # and the storage is really another: f32 gives other logits somewhere
-    f32 = LLM(tiny_model, attention_backend=backend, **ENGINE)
+    f32 = LLM(tiny_model, attention_backend=backend, weight_dtype="f32", **ENGINE)
     scored = SamplingParams(max_tokens=1, prompt_logprobs=0)
     want = [o.prompt_logprobs for o in f32.generate(PROMPTS, scored)]
     got = [o.prompt_logprobs for o in llm.generate(PROMPTS, scored)]

@@ -20,7 +20,9 @@ from jaxserve.checkpoint.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.slow  # starts servers or multi-device processes
 
-FLAGS = ["--max-batch", "8", "--token-budget", "64", "--num-pages", "512", "--max-model-len", "512"]
+# f32 weights: echo logprobs are compared with transformers' (auto is bf16 on AMX CPUs)
+FLAGS = ["--max-batch", "8", "--token-budget", "64", "--num-pages", "512", "--max-model-len", "512",
+         "--weight-dtype", "f32"]
 MODEL = "tiny"
 KEY = "sk-main"  # --api-key: the default tenant, admin
 KEYS = {

@@ -303,11 +303,12 @@ def test_two_serve_processes_answer_through_process_0_as_one_process_does(tmp_pa
     model = tmp_path / "model"
     write_random_model(model)
     sizes = ["--max-batch", "2", "--num-pages", "64", "--page-size", "4",
-             "--token-budget", "8"]
+             "--token-budget", "8", "--weight-dtype", "f32"]
     rng = np.random.default_rng(3)
     prompts = [rng.integers(3, 256, int(n)).tolist() for n in rng.integers(2, 30, 6)]
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
-    alone = LLM(model, max_batch=2, num_pages=64, page_size=4, token_budget=8)
+    alone = LLM(model, max_batch=2, num_pages=64, page_size=4, token_budget=8,
+                weight_dtype="f32")
     want = [o.text for o in alone.generate(prompts, params)]
 
     coordinator = f"127.0.0.1:{free_port()}"
@@ -529,8 +530,9 @@ def _engine_check(model_dir: Path, tp: int, dp: int, kv_dtype: str = "auto") -> 
     requests = [rng.integers(3, 256, int(n)).tolist() for n in rng.integers(1, 40, 6)]
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     # 3 buckets: (1 token, 1 row), (2, 1), (2, 2)
+    # f32 projections on both: auto picks bf16 on the AMX kernel for one CPU device only
     sizes = {"max_batch": 2, "num_pages": 64, "page_size": 4, "token_budget": 2,
-             "kv_dtype": kv_dtype}
+             "kv_dtype": kv_dtype, "weight_dtype": "f32"}
     alone = LLM(model_dir, **sizes).generate(requests, params)
     llm = LLM(model_dir, tp=tp, dp=dp, **sizes)
     llm.runner.warmup(repeats=1)
@@ -637,7 +639,7 @@ def _smollm2_scenario(directory: Path) -> dict:
     question = "What is the capital of France?"
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     # three buckets, (1|2|4 tokens, 1 row), and a short context keep warm-up cheap
-    sizes = {"max_batch": 1, "num_pages": 8, "token_budget": 4}
+    sizes = {"max_batch": 1, "num_pages": 8, "token_budget": 4, "weight_dtype": "f32"}
     result: dict = {"tokens": {}, "answers": {}, "compiles_after_warmup": {}, "seconds": {}}
 
     def serve(source: Path, tp: int, dp: int) -> LLM:
@@ -699,7 +701,7 @@ def _pallas_scenario(directory: Path) -> dict:
     attention.ragged_paged_attention = spy
     prompts, params = [[5, 6, 7, 8], [9, 10]], SamplingParams(max_tokens=6, temperature=0)
     sizes = {"max_batch": 2, "num_pages": 64, "page_size": 4, "token_budget": 16,
-             "max_model_len": 64}
+             "max_model_len": 64, "weight_dtype": "f32"}
 
     def tokens(tp, dp, backend):
         llm = LLM(directory / "model", tp=tp, dp=dp, attention_backend=backend, **sizes)

@@ -25,9 +25,10 @@ from jaxserve.checkpoint.model_config import (
     read_hf_config,
 )
 from jaxserve.config import ModelConfig
+from jaxserve.cpu_kernels.linear import fits, pack
 from jaxserve.device.sharding import map_params, param_sharding
 from jaxserve.models import ModelSpec, WeightRule, get_model_spec, param_axes
-from jaxserve.models.layers import QuantizedWeight, map_stored, store
+from jaxserve.models.layers import PackedWeight, QuantizedWeight, map_stored, store
 
 # GGUF quantization types dequantized here (the ones real Llama-family files use).
 GGUF_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K")
@@ -243,6 +244,27 @@ def store_projections(model: nnx.Module, weight_dtype: str, mesh: Mesh | None = 
         return place_param(store(np.asarray(value), weight_dtype), mesh, axes[name])
 
     return nnx.merge(graphdef, map_params(as_stored, state))
+
+
+def pack_projections(model: nnx.Module) -> nnx.Module:
+    """`model` (on one device) with its bf16 projections packed for the AMX kernel
+    (layers.PackedWeight), and its LM head packed too, in bf16: the step's largest matmul.
+    A tied head gains a packed copy of the embedding, which the lookup keeps reading."""
+    graphdef, state = nnx.split(model)
+    rules = get_model_spec(model.config.architecture).weight_map(model.config)
+
+    def packed(name: str, value):
+        if (rules[name].projection and isinstance(value, jax.Array)
+                and value.dtype == jnp.bfloat16 and fits(*value.shape[-2:])):
+            return PackedWeight(jnp.asarray(pack(np.asarray(value))))
+        return value
+
+    model = nnx.merge(graphdef, map_params(packed, state))
+    head = getattr(model, "lm_head", None)
+    head = model.embed.get_value().T if head is None else head.get_value()
+    if isinstance(head, jax.Array) and fits(*head.shape):
+        model.lm_head = nnx.Param(PackedWeight(jnp.asarray(pack(np.asarray(head)))))
+    return model
 
 
 def place_param(value: np.ndarray | QuantizedWeight, mesh: Mesh | None,

@@ -38,7 +38,8 @@ def cache_dir() -> Path:
     return Path(os.environ.get("JAXSERVE_KERNEL_CACHE", default))
 
 
-def _cpu_flags() -> str:
+def cpu_flags() -> str:
+    """This CPU's flags line (/proc/cpuinfo), or what platform knows of it."""
     try:
         with open("/proc/cpuinfo") as f:
             return next((line for line in f if line.startswith("flags")), "")
@@ -55,7 +56,7 @@ def build(name: str) -> Path:
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
     key = hashlib.sha256(
         "\0".join([source.read_text(), version, " ".join(FLAGS), jaxlib.__version__,
-                   _cpu_flags()]).encode()
+                   cpu_flags()]).encode()
     ).hexdigest()[:16]
     target = cache_dir() / f"{name}-{key}.so"
     if target.exists():

@@ -3,8 +3,10 @@
 Every projection goes through `linear`, so how a weight is stored is decided here and
 nowhere else: a plain [in, out] array (in the serving dtype, or another float dtype cast
 on the fly), or a `QuantizedWeight` (int8 or fp8 values with one scale per output column,
-dequantized on the fly). Another storage format (grouped int4) is another case here;
-model code does not change.
+dequantized on the fly), or a `PackedWeight` (bf16 packed for the AMX kernel, which
+reads it in place). Another storage format (grouped int4) is another case here; model code
+does not change. A layer scan goes through `scan_layers`, which hands a packed stack to
+the kernel whole, with the layer's index.
 """
 
 from dataclasses import dataclass
@@ -13,6 +15,8 @@ import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
+
+from jaxserve.cpu_kernels.linear import amx_linear
 
 FLOAT_STORAGE = {"f32": np.float32, "bf16": ml_dtypes.bfloat16}
 # quantized storage: its numpy dtype and the largest magnitude it holds (fp8 is e4m3)
@@ -30,11 +34,39 @@ class QuantizedWeight:
     scale: jax.Array  # f32[..., out]
 
 
-def linear(x: jax.Array, w: jax.Array | QuantizedWeight) -> jax.Array:
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True, slots=True)
+class PackedWeight:
+    """A bf16 weight packed into AMX tiles (cpu_kernels/linear.py's `pack`): one weight, or
+    a stack of layers and, inside `scan_layers`, the layer to read. The stack is not sliced
+    per layer, as a scan slices its inputs, because XLA copies such a slice before using
+    it: a third more memory traffic than the matmul's own."""
+
+    values: jax.Array  # u16[..., out/16, in/32, 16, 32]
+    layer: jax.Array | None = None  # i32[]
+
+
+def linear(x: jax.Array, w: jax.Array | QuantizedWeight | PackedWeight) -> jax.Array:
     """x @ w for x [..., in] and a weight [in, out] in any storage, in x's dtype."""
+    if isinstance(w, PackedWeight):
+        return amx_linear(x.astype(jnp.float32), w.values, w.layer).astype(x.dtype)
     if isinstance(w, QuantizedWeight):
         return (x @ w.values.astype(x.dtype)) * w.scale.astype(x.dtype)
     return x @ w.astype(x.dtype)
+
+
+def scan_layers(body, carry, weights: dict):
+    """jax.lax.scan of body(carry, one layer's weights) over weights stacked on a leading
+    [num_layers] axis; a PackedWeight is passed whole, with the layer's index."""
+    packed = {name: w for name, w in weights.items() if isinstance(w, PackedWeight)}
+    sliced = {name: w for name, w in weights.items() if name not in packed}
+    num_layers = jax.tree.leaves(weights)[0].shape[0]
+
+    def step(carry, xs):
+        i, layer = xs
+        return body(carry, {**layer, **{n: PackedWeight(w.values, i) for n, w in packed.items()}})
+
+    return jax.lax.scan(step, carry, (jnp.arange(num_layers, dtype=jnp.int32), sliced))
 
 
 def quantize(w: np.ndarray | jax.Array, weight_dtype: str) -> QuantizedWeight:

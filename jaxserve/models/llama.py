@@ -17,7 +17,7 @@ from jaxserve.config import ModelConfig
 from jaxserve.device.attention import AttentionMetadata, paged_attention
 from jaxserve.device.kv_cache import KVCache, write_kv
 from jaxserve.models.interface import ModelSpec, WeightRule, register_model
-from jaxserve.models.layers import linear
+from jaxserve.models.layers import linear, scan_layers
 
 
 def rope_inv_freq(config: ModelConfig) -> np.ndarray:
@@ -121,7 +121,7 @@ class DecoderLayers(nnx.Module):
             x = x + linear(gated, w["down_proj"])
             return (x, cache, i + 1), None
 
-        (x, kv_cache, _), _ = jax.lax.scan(layer, (x, kv_cache, jnp.int32(0)), weights)
+        (x, kv_cache, _), _ = scan_layers(layer, (x, kv_cache, jnp.int32(0)), weights)
         return x, kv_cache
 
 
@@ -146,7 +146,8 @@ class LlamaForCausalLM(nnx.Module):
         x = self.embed[...][token_ids]
         x, kv_cache = self.layers(x, positions, kv_cache, metadata)
         x = rms_norm(x[metadata.logits_indices], self.norm[...], self.config.rms_norm_eps)
-        head = self.embed[...].T if self.config.tie_word_embeddings else self.lm_head.get_value()
+        # tied: the embedding's transpose, unless a packed copy was added (weights.py)
+        head = self.lm_head.get_value() if hasattr(self, "lm_head") else self.embed[...].T
         return linear(x, head).astype(jnp.float32), kv_cache
 
 

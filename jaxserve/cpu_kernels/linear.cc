@@ -1,0 +1,209 @@
+// y = x @ w on Intel AMX: f32 activations times bf16 weights, f32 out, through XLA's FFI.
+//
+// XLA:CPU computes a bf16 dot in f32 (it converts the weight first, which made bf16
+// weights 2.3x slower than f32 ones), so a bf16 weight never reached the AMX units. Here the
+// weight is packed once, at load, into AMX tiles (linear.py's `pack`): for every block of
+// 16 output columns and 32 inputs, a 16 x 64-byte tile of (input pair, column, pair
+// member), which `tdpbf16ps` takes as its B operand. Whole layer stacks are passed with a
+// layer index, so a scanned model reads each layer's weights in place rather than copying
+// its slice first.
+//
+// The activations are not rounded to bf16: each block of x is split into hi = bf16(x) and
+// lo = bf16(x - hi) and both are multiplied, so the result is x (to ~16 mantissa bits)
+// times the bf16 weight, as XLA's weight-only path computes it. A decode step is bound by
+// the weight bytes it streams, and the second product costs no extra weight traffic.
+
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+// The library is built for the machine (-march=native); these parts also need AMX and
+// AVX512-BF16, which linear.py checks the CPU for before it calls the kernel at all.
+#define AMX __attribute__((target("amx-tile,amx-bf16")))
+#define AVX512_BF16 __attribute__((target("avx512f,avx512bf16,avx512bw,avx512vl")))
+
+constexpr int64_t kRows = 16;         // rows of a tile (tokens of x; input pairs of w)
+constexpr int64_t kCols = 16;         // f32 columns of an output tile
+constexpr int64_t kDepth = 32;        // inputs a tile multiplies (16 bf16 pairs)
+constexpr int64_t kTile = kRows * kDepth;  // bf16 values in an A or B tile (1 KiB)
+constexpr int64_t kItemBlocks = 8;    // column blocks of one work item (128 columns)
+
+struct TileConfig {
+  uint8_t palette_id = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Linux hands out AMX's tile state only to a process that asks for it (once).
+bool RequestAmx() {
+  constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+  static const bool granted =
+      syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
+  return granted;
+}
+
+// Tiles: 0, 1 accumulate two column blocks; 2, 3 hold x's hi and lo; 4, 5 the weights.
+AMX void ConfigureTiles() {
+  TileConfig config;
+  for (int t = 0; t < 6; ++t) {
+    config.rows[t] = kRows;
+    config.colsb[t] = 64;
+  }
+  _tile_loadconfig(&config);
+}
+
+// x [m, k] into bf16 hi and lo = bf16(x - hi), rows of `depth` (k rounded up to 32)
+// whose padding, like the rows past m, the caller has zeroed.
+AVX512_BF16 void Split(const float* x, int64_t m, int64_t k, int64_t depth, uint16_t* hi,
+                       uint16_t* lo) {
+  for (int64_t r = 0; r < m; ++r)
+    for (int64_t c = 0; c < k; c += 16) {
+      const __mmask16 live = k - c >= 16 ? 0xffff : (1u << (k - c)) - 1;
+      const __m512 v = _mm512_maskz_loadu_ps(live, x + r * k + c);
+      const __m256bh h = _mm512_cvtneps_pbh(v);
+      const __m512 back = _mm512_castsi512_ps(
+          _mm512_slli_epi32(_mm512_cvtepu16_epi32(reinterpret_cast<__m256i>(h)), 16));
+      const __m256bh l = _mm512_cvtneps_pbh(_mm512_sub_ps(v, back));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(hi + r * depth + c),
+                          reinterpret_cast<__m256i>(h));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(lo + r * depth + c),
+                          reinterpret_cast<__m256i>(l));
+    }
+}
+
+struct Problem {
+  const uint16_t* x_hi;  // [m_blocks * 16, k_blocks * 32], zero-padded
+  const uint16_t* x_lo;
+  const uint16_t* w;     // this layer's [n_blocks, k_blocks, 16, 32]
+  float* y;              // [m, n]
+  int64_t m, n, m_blocks, n_blocks, k_blocks;
+};
+
+// Output columns [16 * b0, 16 * b1) for every row.
+AMX void Columns(const Problem& p, int64_t b0, int64_t b1) {
+  const int64_t x_stride = p.k_blocks * kDepth * sizeof(uint16_t);
+  alignas(64) float spill[2][kRows * kCols];  // a partial last row block lands here first
+  for (int64_t b = b0; b < b1; b += 2) {
+    const bool pair = b + 1 < b1;
+    const uint16_t* w0 = p.w + b * p.k_blocks * kTile;
+    const uint16_t* w1 = w0 + p.k_blocks * kTile;
+    for (int64_t mb = 0; mb < p.m_blocks; ++mb) {
+      _tile_zero(0);
+      _tile_zero(1);
+      const uint16_t* hi = p.x_hi + mb * kRows * p.k_blocks * kDepth;
+      const uint16_t* lo = p.x_lo + mb * kRows * p.k_blocks * kDepth;
+      for (int64_t kb = 0; kb < p.k_blocks; ++kb) {
+        _tile_loadd(2, hi + kb * kDepth, x_stride);
+        _tile_loadd(3, lo + kb * kDepth, x_stride);
+        _tile_loadd(4, w0 + kb * kTile, 64);
+        _tile_dpbf16ps(0, 2, 4);
+        _tile_dpbf16ps(0, 3, 4);
+        if (pair) {
+          _tile_loadd(5, w1 + kb * kTile, 64);
+          _tile_dpbf16ps(1, 2, 5);
+          _tile_dpbf16ps(1, 3, 5);
+        }
+      }
+      const int64_t rows = std::min(kRows, p.m - mb * kRows);
+      float* out = p.y + mb * kRows * p.n + b * kCols;
+      if (rows == kRows) {
+        _tile_stored(0, out, p.n * sizeof(float));
+        if (pair) _tile_stored(1, out + kCols, p.n * sizeof(float));
+        continue;
+      }
+      _tile_stored(0, spill[0], kCols * sizeof(float));
+      if (pair) _tile_stored(1, spill[1], kCols * sizeof(float));
+      for (int64_t r = 0; r < rows; ++r) {
+        std::memcpy(out + r * p.n, spill[0] + r * kCols, kCols * sizeof(float));
+        if (pair) std::memcpy(out + r * p.n + kCols, spill[1] + r * kCols, kCols * sizeof(float));
+      }
+    }
+  }
+}
+
+// Work items (runs of column blocks) handed out through one counter; the calling thread
+// works too, so the call completes even if XLA's pool runs none of the tasks it is given.
+struct Work {
+  const Problem problem;
+  const int64_t items;
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> done{0};
+  std::mutex mu;
+  std::condition_variable all_done;
+
+  Work(const Problem& p, int64_t n_items) : problem(p), items(n_items) {}
+
+  AMX void Drain() {
+    int64_t finished = 0;
+    for (int64_t i = next.fetch_add(1); i < items; i = next.fetch_add(1)) {
+      if (!finished) ConfigureTiles();
+      const int64_t b0 = i * kItemBlocks;
+      Columns(problem, b0, std::min(problem.n_blocks, b0 + kItemBlocks));
+      ++finished;
+    }
+    if (!finished) return;
+    _tile_release();
+    if (done.fetch_add(finished) + finished == items) {
+      std::lock_guard<std::mutex> lock(mu);
+      all_done.notify_all();
+    }
+  }
+
+  void Wait() {
+    std::unique_lock<std::mutex> lock(mu);
+    all_done.wait(lock, [&] { return done.load() == items; });
+  }
+};
+
+ffi::Error Linear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U16> w,
+                  ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> y) {
+  const auto xd = x.dimensions(), wd = w.dimensions();
+  if (xd.size() != 2 || wd.size() != 5 || wd[3] != kRows || wd[4] != kDepth)
+    return ffi::Error::InvalidArgument("amx linear: x must be [m, k], w [layers, n/16, k/32, 16, 32]");
+  const int64_t m = xd[0], k = xd[1], n_blocks = wd[1], k_blocks = wd[2];
+  if (k > k_blocks * kDepth || k <= (k_blocks - 1) * kDepth)
+    return ffi::Error::InvalidArgument("amx linear: x's inputs do not match w's");
+  const int64_t l = layer.typed_data()[0];
+  if (l < 0 || l >= wd[0]) return ffi::Error::InvalidArgument("amx linear: layer out of range");
+  if (!RequestAmx()) return ffi::Error::Internal("amx linear: the kernel refused AMX's tile state");
+  if (m == 0) return ffi::Error::Success();
+  const int64_t m_blocks = (m + kRows - 1) / kRows, depth = k_blocks * kDepth;
+  std::vector<uint16_t> hi(m_blocks * kRows * depth, 0), lo(hi.size(), 0);
+  Split(x.typed_data(), m, k, depth, hi.data(), lo.data());
+  const Problem p{hi.data(), lo.data(), w.typed_data() + l * n_blocks * k_blocks * kTile,
+                  y->typed_data(), m, n_blocks * kCols, m_blocks, n_blocks, k_blocks};
+  const int64_t items = (n_blocks + kItemBlocks - 1) / kItemBlocks;
+  auto work = std::make_shared<Work>(p, items);
+  const int64_t helpers = std::min<int64_t>(pool.num_threads(), items - 1);
+  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([work] { work->Drain(); });
+  work->Drain();
+  work->Wait();
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveAmxLinear, Linear,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // x
+                                  .Arg<ffi::Buffer<ffi::U16>>()  // packed bf16 weight stack
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // layer
+                                  .Ret<ffi::Buffer<ffi::F32>>());  // y

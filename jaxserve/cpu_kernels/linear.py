@@ -1,0 +1,122 @@
+"""bf16 weights on Intel AMX: linear.cc's kernel through XLA's FFI, and the packing it reads.
+
+XLA:CPU converts a bf16 weight to f32 before every dot, so `--weight-dtype bf16` streamed
+half the bytes and still ran 2.3x slower than f32. On a CPU with AMX (Sapphire Rapids and
+later) the weight is instead packed once, at load, into the tiles that AMX multiplies
+(`pack`), and `amx_linear` multiplies f32 activations by it to f32 precision of x (x is
+split into two bf16 parts; see linear.cc). Its reference is `x @ unpack(w)` in f32.
+"""
+
+import ctypes
+import functools
+import logging
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+
+from jaxserve.cpu_kernels.build import KernelUnavailable, build, cpu_flags
+
+log = logging.getLogger(__name__)
+
+TARGET = "jaxserve_amx_linear"
+ROWS, DEPTH = 16, 32  # a packed tile: 16 input pairs × 16 columns × 2 (linear.cc)
+CPU_FLAGS = ("amx_tile", "amx_bf16", "avx512_bf16")  # what linear.cc runs on
+
+
+def fits(in_features: int, out_features: int) -> bool:
+    """Whether a [in, out] weight packs: whole tiles of 16 output columns (inputs are
+    zero-padded to whole tiles)."""
+    return in_features > 0 and out_features > 0 and out_features % 16 == 0
+
+
+@functools.cache
+def available() -> bool:
+    """This CPU has AMX and the kernel builds and registers; False (logged once) if not."""
+    missing = [flag for flag in CPU_FLAGS if flag not in cpu_flags().split()]
+    if missing:
+        log.info("no AMX kernel for bf16 weights: the CPU lacks %s", ", ".join(missing))
+        return False
+    try:
+        library = ctypes.cdll.LoadLibrary(str(build("linear")))
+    except (KernelUnavailable, OSError) as e:
+        log.warning("the AMX bf16 kernel is unavailable, bf16 weights go through XLA: %s", e)
+        return False
+    jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(library.JaxserveAmxLinear),
+                                platform="cpu")
+    return True
+
+
+def select(requested: str, weight_dtype: str, dtype: jnp.dtype, one_device: bool) -> str:
+    """The linear backend to serve with: "amx" for bf16 projections and f32 activations on
+    one CPU device that has AMX (`requested` "auto" or "amx"), else "xla". Asking for
+    "amx" where it cannot run is an error, not a silent fallback."""
+    if requested == "xla":
+        return "xla"
+    why = None
+    if weight_dtype != "bfloat16":
+        why = f"it multiplies bf16 weights (--weight-dtype bf16), not {weight_dtype}"
+    elif jnp.dtype(dtype) != jnp.float32:
+        why = f"it takes f32 activations (--dtype float32), not {jnp.dtype(dtype).name}"
+    elif not one_device:
+        why = "it runs unsharded, on one device"
+    elif jax.default_backend() != "cpu":
+        why = f"it runs on the CPU, not {jax.default_backend()}"
+    elif not available():
+        why = f"this CPU lacks AMX ({', '.join(CPU_FLAGS)}) or the kernel did not build"
+    if why is None:
+        return "amx"
+    if requested == "amx":
+        raise ValueError(f"--linear-backend amx cannot serve here: {why}")
+    return "xla"
+
+
+def pack(w: np.ndarray) -> np.ndarray:
+    """w [..., in, out] (any float dtype) as the kernel reads it: its bf16 bits, uint16
+    [..., out/16, ceil(in/32), 16, 32], each tile holding (input pair, column, member)."""
+    *lead, k, n = w.shape
+    if not fits(k, n):
+        raise ValueError(f"a [{k}, {n}] weight does not pack: out must be a multiple of 16")
+    k_blocks = -(-k // DEPTH)
+    bits = np.zeros((*lead, k_blocks * DEPTH, n), np.uint16)
+    bits[..., :k, :] = np.asarray(w).astype(ml_dtypes.bfloat16).view(np.uint16)
+    # [..., kb, pair, member, nb, column] -> [..., nb, kb, pair, column, member]
+    tiles = bits.reshape(*lead, k_blocks, ROWS, 2, n // 16, 16)
+    order = tuple(range(len(lead)))
+    tiles = tiles.transpose(*order, *(len(lead) + i for i in (3, 0, 1, 4, 2)))
+    return np.ascontiguousarray(tiles).reshape(*lead, n // 16, k_blocks, ROWS, DEPTH)
+
+
+def unpack(packed: np.ndarray, in_features: int) -> np.ndarray:
+    """`pack`'s inverse: the f32 weight [..., in, out] that a packed one holds."""
+    *lead, n_blocks, k_blocks, _, _ = packed.shape
+    tiles = np.asarray(packed).reshape(*lead, n_blocks, k_blocks, ROWS, 16, 2)
+    order = tuple(range(len(lead)))
+    bits = tiles.transpose(*order, *(len(lead) + i for i in (1, 2, 4, 0, 3)))
+    bits = np.ascontiguousarray(bits).reshape(*lead, k_blocks * DEPTH, n_blocks * 16)
+    return bits[..., :in_features, :].view(ml_dtypes.bfloat16).astype(np.float32)
+
+
+def amx_linear(x: jax.Array, packed: jax.Array, layer: jax.Array | int | None = None
+               ) -> jax.Array:
+    """x [..., in] (f32) @ the packed weight (one [n/16, k/32, 16, 32], or a stack of them
+    with the `layer` to use) → f32 [..., out]."""
+    if x.dtype != jnp.float32:
+        raise ValueError(f"the AMX kernel takes f32 activations, got {x.dtype}")
+    if packed.dtype != jnp.uint16 or packed.ndim not in (4, 5) or packed.shape[-2:] != (
+            ROWS, DEPTH):
+        raise ValueError(f"not a packed weight: {packed.dtype}{list(packed.shape)}")
+    if packed.ndim == 4:
+        packed, layer = packed[None], 0
+    elif layer is None:
+        raise ValueError("a packed layer stack needs the layer to read")
+    k = x.shape[-1]
+    if not (packed.shape[2] - 1) * DEPTH < k <= packed.shape[2] * DEPTH:
+        raise ValueError(f"x has {k} inputs; the weight takes {packed.shape[2] * DEPTH} (padded)")
+    if not available():
+        raise RuntimeError("the AMX bf16 kernel is unavailable here (see the log)")
+    n = packed.shape[1] * 16
+    flat = x.reshape(-1, k)
+    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((flat.shape[0], n), jnp.float32))
+    return call(flat, packed, jnp.asarray(layer, jnp.int32)).reshape(*x.shape[:-1], n)
