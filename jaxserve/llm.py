@@ -14,7 +14,7 @@ from flax import nnx
 
 from jaxserve.checkpoint.default_model import default_model_path
 from jaxserve.checkpoint.loader import load
-from jaxserve.checkpoint.weights import pack_projections, store_projections
+from jaxserve.checkpoint.weights import pack_projections
 from jaxserve.config import EngineConfig, SamplingParams, serving_dtype
 from jaxserve.cpu_kernels import linear
 from jaxserve.device.kv_cache import storage_name
@@ -70,17 +70,17 @@ class LLM:
         self.dtype = jnp.dtype(serving_dtype(cfg.dtype, jax.default_backend()))
         module, self.tokenizer = load(self.model_path, self.dtype, self.mesh, cfg.weight_dtype)
         self.config = module.config
-        if (cfg.weight_dtype == "auto" and projection_dtype(module, self.dtype) == "float32"
-                and linear.select(cfg.linear_backend, "bfloat16", self.dtype,
-                                  self.mesh is None) == "amx"):
-            # auto on a CPU with AMX: bf16 projections on the AMX kernel, 3x the tokens/s of
-            # f32 at 0.06 % of its log-likelihood (README); --weight-dtype f32 keeps f32
-            module = store_projections(module, "bf16")
-        self.weight_dtype = projection_dtype(module, self.dtype)
-        self.linear_backend = linear.select(cfg.linear_backend, self.weight_dtype, self.dtype,
+        stored = projection_dtype(module, self.dtype)
+        # auto with f32 projections may take bf16 on the AMX kernel where the CPU has it:
+        # 2x the tokens/s of f32 at 0.06 % of its log-likelihood (README); --weight-dtype
+        # f32 keeps f32
+        to_bf16 = cfg.weight_dtype == "auto" and stored == "float32"
+        self.linear_backend = linear.select(cfg.linear_backend,
+                                            "bfloat16" if to_bf16 else stored, self.dtype,
                                             self.mesh is None)
+        self.weight_dtype = "bfloat16" if self.linear_backend == "amx" else stored
         if self.linear_backend == "amx":
-            module = pack_projections(module)
+            module = pack_projections(module)  # rounds f32 projections to bf16
         # auto: pages in the serving dtype (f16 only there: --dtype float16)
         self.kv_dtype = storage_name(self.dtype) if cfg.kv_dtype == "auto" else cfg.kv_dtype
         self.num_pages = cfg.num_pages

@@ -247,15 +247,17 @@ def store_projections(model: nnx.Module, weight_dtype: str, mesh: Mesh | None = 
 
 
 def pack_projections(model: nnx.Module) -> nnx.Module:
-    """`model` (on one device) with its bf16 projections packed for the AMX kernel
-    (layers.PackedWeight), and its LM head packed too, in bf16: the step's largest matmul.
-    A tied head gains a packed copy of the embedding, which the lookup keeps reading."""
+    """`model` (on one device) with its float projections packed for the AMX kernel
+    (layers.PackedWeight), rounded to bf16 as `pack` does (an f32 model is packed
+    straight, not stored as bf16 first), and its LM head packed too: the step's largest
+    matmul. A tied head gains a packed copy of the embedding, which the lookup keeps
+    reading."""
     graphdef, state = nnx.split(model)
     rules = get_model_spec(model.config.architecture).weight_map(model.config)
 
     def packed(name: str, value):
         if (rules[name].projection and isinstance(value, jax.Array)
-                and value.dtype == jnp.bfloat16 and fits(*value.shape[-2:])):
+                and value.dtype in (jnp.float32, jnp.bfloat16) and fits(*value.shape[-2:])):
             return PackedWeight(jnp.asarray(pack(np.asarray(value))))
         return value
 
