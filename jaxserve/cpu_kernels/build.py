@@ -54,8 +54,9 @@ def build(name: str) -> Path:
         raise KernelUnavailable("no C++ compiler (g++, or $CXX) on PATH")
     source = SOURCE_DIR / f"{name}.cc"
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
+    headers = [h.read_text() for h in sorted(SOURCE_DIR.glob("*.h"))]  # what it includes
     key = hashlib.sha256(
-        "\0".join([source.read_text(), version, " ".join(FLAGS), jaxlib.__version__,
+        "\0".join([source.read_text(), *headers, version, " ".join(FLAGS), jaxlib.__version__,
                    cpu_flags()]).encode()
     ).hexdigest()[:16]
     target = cache_dir() / f"{name}-{key}.so"

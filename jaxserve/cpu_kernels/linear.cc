@@ -19,13 +19,11 @@
 
 #include <algorithm>
 #include <atomic>
-#include <condition_variable>
 #include <cstdint>
 #include <cstring>
-#include <memory>
-#include <mutex>
 #include <vector>
 
+#include "work_queue.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -138,39 +136,19 @@ AMX void Columns(const Problem& p, int64_t b0, int64_t b1) {
   }
 }
 
-// Work items (runs of column blocks) handed out through one counter; the calling thread
-// works too, so the call completes even if XLA's pool runs none of the tasks it is given.
-struct Work {
-  const Problem problem;
-  const int64_t items;
-  std::atomic<int64_t> next{0};
-  std::atomic<int64_t> done{0};
-  std::mutex mu;
-  std::condition_variable all_done;
-
-  Work(const Problem& p, int64_t n_items) : problem(p), items(n_items) {}
-
-  AMX void Drain() {
-    int64_t finished = 0;
-    for (int64_t i = next.fetch_add(1); i < items; i = next.fetch_add(1)) {
-      if (!finished) ConfigureTiles();
-      const int64_t b0 = i * kItemBlocks;
-      Columns(problem, b0, std::min(problem.n_blocks, b0 + kItemBlocks));
-      ++finished;
-    }
-    if (!finished) return;
-    _tile_release();
-    if (done.fetch_add(finished) + finished == items) {
-      std::lock_guard<std::mutex> lock(mu);
-      all_done.notify_all();
-    }
+// Claims work items (runs of column blocks) from `next` until none is left (RunOnPool);
+// returns how many it ran. A thread's tiles are configured at its first item only.
+AMX int64_t DrainColumns(const Problem& p, std::atomic<int64_t>& next, int64_t items) {
+  int64_t finished = 0;
+  for (int64_t i = next.fetch_add(1); i < items; i = next.fetch_add(1)) {
+    if (!finished) ConfigureTiles();
+    const int64_t b0 = i * kItemBlocks;
+    Columns(p, b0, std::min(p.n_blocks, b0 + kItemBlocks));
+    ++finished;
   }
-
-  void Wait() {
-    std::unique_lock<std::mutex> lock(mu);
-    all_done.wait(lock, [&] { return done.load() == items; });
-  }
-};
+  if (finished) _tile_release();
+  return finished;
+}
 
 ffi::Error Linear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U16> w,
                   ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> y) {
@@ -190,11 +168,9 @@ ffi::Error Linear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi
   const Problem p{hi.data(), lo.data(), w.typed_data() + l * n_blocks * k_blocks * kTile,
                   y->typed_data(), m, n_blocks * kCols, m_blocks, n_blocks, k_blocks};
   const int64_t items = (n_blocks + kItemBlocks - 1) / kItemBlocks;
-  auto work = std::make_shared<Work>(p, items);
-  const int64_t helpers = std::min<int64_t>(pool.num_threads(), items - 1);
-  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([work] { work->Drain(); });
-  work->Drain();
-  work->Wait();
+  jaxserve::RunOnPool(pool, items, [p](std::atomic<int64_t>& next, int64_t total) {
+    return DrainColumns(p, next, total);
+  });
   return ffi::Error::Success();
 }
 

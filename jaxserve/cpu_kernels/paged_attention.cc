@@ -12,7 +12,7 @@
 // Padding tokens (from cu_q_lens[num_rows] on) and tokens with no key get zeros.
 //
 // Storage (kv_cache.py's --kv-dtype): f32 pages are read in place as above, and so are
-// bf16 pages on the AVX-512 path (DecodePage widens each row as it loads it). Elsewhere
+// bf16 pages on the AVX-512 path (AttendPage widens each row as it loads it). Elsewhere
 // bf16, and int8 (times its f32 scale per token and head) and fp8 e4m3fn pages always,
 // are first dequantized, one page's K and V at a time, into f32 scratch of the thread:
 // the same attention loops then run on every storage, a page's [page_size, head_dim] tile
@@ -26,15 +26,13 @@
 #include <atomic>
 #include <bit>
 #include <cmath>
-#include <condition_variable>
 #include <cstdint>
 #include <cstring>
 #include <limits>
-#include <memory>
-#include <mutex>
 #include <type_traits>
 #include <vector>
 
+#include "work_queue.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -165,7 +163,7 @@ struct Scratch {
 // once for all the queries. Measured against the scalar-indexed loops below (30 layers,
 // 16 decode rows at context 256): f32 pages 21 -> 14-17 ms, bf16 17 -> 13-14 ms, with the
 // next page prefetched; prefill tiles about level.
-constexpr int64_t kPageQueries = kTransposeQueries - 1;
+constexpr int64_t kPageQueries = 7;  // a page's queries at a time: their weights fit on the stack
 
 template <typename Row>
 inline __m512 LoadRow(const Row* src) {
@@ -198,7 +196,7 @@ inline __m512 SumEach(__m512 v[16]) {
 
 // valid[qi]: the keys of this page query qi sees (0: none); q is scaled already.
 template <typename Row, int64_t D>
-void DecodePage(const Row* __restrict k, const Row* __restrict v, int64_t n,
+void AttendPage(const Row* __restrict k, const Row* __restrict v, int64_t n,
                 const float* __restrict q, const int64_t* valid, float* __restrict m,
                 float* __restrict l, float* __restrict acc) {
   static_assert(D % 16 == 0);
@@ -290,7 +288,7 @@ void RunItem(const Problem& p, const Item& it, Scratch& sc) {
     const Stored* k_page = static_cast<const Stored*>(p.k) + (layer_offset + page) * PS * D;
     const Stored* v_page = static_cast<const Stored*>(p.v) + (layer_offset + page) * PS * D;
 #ifdef __AVX512F__
-    // pages of 16 keys: DecodePage, a few queries at a time, reading f32 and bf16 pages in
+    // pages of 16 keys: AttendPage, a few queries at a time, reading f32 and bf16 pages in
     // place (int8 and fp8 from the scratch they are dequantized into below)
     constexpr bool kFast = kPageSize == 16 && kHeadDim > 0 && kHeadDim % 16 == 0;
     if (kFast && b + 1 < num_blocks) {
@@ -311,7 +309,7 @@ void RunItem(const Problem& p, const Item& it, Scratch& sc) {
     auto fast = [&](const auto* kr, const auto* vr) {
       using Row = std::remove_cv_t<std::remove_pointer_t<decltype(kr)>>;
       for (int64_t q0 = 0; q0 < n; q0 += kPageQueries)
-        DecodePage<Row, kHeadDim ? kHeadDim : 16>(
+        AttendPage<Row, kHeadDim ? kHeadDim : 16>(
             kr, vr, std::min(kPageQueries, n - q0), q + q0 * D, valid + q0, sc.m.data() + q0,
             sc.l.data() + q0, acc + q0 * D);
     };
@@ -452,41 +450,6 @@ ItemFn ItemFor(const Problem& p) {
   }
 }
 
-// Work items handed out through one counter. The calling thread works too, so the call
-// completes even when XLA's pool (the FFI's ThreadPool) runs none of the tasks it is
-// given. (Threads of our own instead measured slower: XLA's idle workers spin a while
-// before they sleep, on the cores the extra threads needed.)
-struct Work {
-  const Problem problem;
-  const std::vector<Item> items;
-  std::atomic<int64_t> next{0};
-  std::atomic<int64_t> done{0};
-  std::mutex mu;
-  std::condition_variable all_done;
-
-  Work(const Problem& p, std::vector<Item> its) : problem(p), items(std::move(its)) {}
-
-  void Drain() {
-    Scratch scratch(problem, problem.num_heads / problem.num_kv_heads);
-    const ItemFn run = ItemFor(problem);
-    const int64_t total = static_cast<int64_t>(items.size());
-    int64_t finished = 0;
-    for (int64_t i = next.fetch_add(1); i < total; i = next.fetch_add(1)) {
-      run(problem, items[i], scratch);
-      ++finished;
-    }
-    if (finished && done.fetch_add(finished) + finished == total) {
-      std::lock_guard<std::mutex> lock(mu);
-      all_done.notify_all();
-    }
-  }
-
-  void Wait() {
-    std::unique_lock<std::mutex> lock(mu);
-    all_done.wait(lock, [&] { return done.load() == static_cast<int64_t>(items.size()); });
-  }
-};
-
 ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k,
                           ffi::AnyBuffer v, ffi::Buffer<ffi::F32> k_scale,
                           ffi::Buffer<ffi::F32> v_scale, ffi::Buffer<ffi::S32> cu_q_lens,
@@ -531,12 +494,18 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::An
   std::memset(p.out + live * p.num_heads * p.head_dim, 0,
               (num_tokens - live) * p.num_heads * p.head_dim * sizeof(float));
   if (items.empty()) return ffi::Error::Success();
-  auto work = std::make_shared<Work>(p, std::move(items));
-  const int64_t helpers =
-      std::min<int64_t>(pool.num_threads(), static_cast<int64_t>(work->items.size()) - 1);
-  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([work] { work->Drain(); });
-  work->Drain();
-  work->Wait();
+  const int64_t num_items = static_cast<int64_t>(items.size());
+  jaxserve::RunOnPool(pool, num_items, [p, items = std::move(items)](
+                                           std::atomic<int64_t>& next, int64_t total) {
+    Scratch scratch(p, p.num_heads / p.num_kv_heads);
+    const ItemFn run = ItemFor(p);
+    int64_t finished = 0;
+    for (int64_t i = next.fetch_add(1); i < total; i = next.fetch_add(1)) {
+      run(p, items[i], scratch);
+      ++finished;
+    }
+    return finished;
+  });
   return ffi::Error::Success();
 }
 
