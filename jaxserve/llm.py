@@ -73,8 +73,10 @@ class LLM:
         stored = projection_dtype(module, self.dtype)
         # auto with f32 projections may take bf16 on the AMX kernel where the CPU has it:
         # 2x the tokens/s of f32 at 0.06 % of its log-likelihood (README); --weight-dtype
-        # f32 keeps f32
-        to_bf16 = cfg.weight_dtype == "auto" and stored == "float32"
+        # f32 keeps f32, and a model without projections has none to pack
+        rules = get_model_spec(self.config.architecture).weight_map(self.config)
+        to_bf16 = (cfg.weight_dtype == "auto" and stored == "float32"
+                   and any(rule.projection for rule in rules.values()))
         self.linear_backend = linear.select(cfg.linear_backend,
                                             "bfloat16" if to_bf16 else stored, self.dtype,
                                             self.mesh is None)

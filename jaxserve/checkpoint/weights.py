@@ -262,8 +262,11 @@ def pack_projections(model: nnx.Module) -> nnx.Module:
         return value
 
     model = nnx.merge(graphdef, map_params(packed, state))
-    head = getattr(model, "lm_head", None)
-    head = model.embed.get_value().T if head is None else head.get_value()
+    head = None  # a model of another layout than llama.py's keeps its head as it is
+    if hasattr(model, "lm_head"):
+        head = model.lm_head.get_value()
+    elif hasattr(model, "embed"):  # tied
+        head = model.embed.get_value().T
     if isinstance(head, jax.Array) and fits(*head.shape):
         model.lm_head = nnx.Param(PackedWeight(jnp.asarray(pack(np.asarray(head)))))
     return model
