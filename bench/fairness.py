@@ -22,8 +22,8 @@ Before each condition the server is idle and B sends one unmeasured probe, so B 
 (the scheduler keeps rows back only for tenants active in the last 30 s). B's probes go
 one at a time, each a streamed completion of --b-prompt-tokens + --b-output-tokens
 tokens (temperature 0, ignore_eos): TTFT = sent → first text chunk, ITL = the gaps
-between text chunks. Before each probe the load's rows and queued requests are read
-from /admin/requests.
+between text chunks. Each probe waits until the load holds every row it may (a flood,
+with requests queued too), read from /admin/requests, and records what it held.
 
 Ratios: B beside the flood ÷ B alone (the server issue's "within 2×"; on a CPU a step's
 cost grows with its rows, so it measures the full batch's step as much as the
@@ -229,13 +229,12 @@ class Bench:
         tenant = LOAD_TENANT.get(name)
         proc = self.start_load(name, round_) if tenant else None
         try:
-            if tenant:
-                await self.wait_rows(session, tenant, proc, queued=name == "flood")
             for _ in range(self.args.probes):
                 if tenant:
-                    load.append(await self.load_now(session, tenant))
-                    if proc.poll() is not None:
-                        raise RuntimeError(f"the {name} load exited: {proc.returncode}")
+                    # each probe starts beside the whole load: a closed-loop client's row is
+                    # empty for a moment between one request's end and the next's start
+                    load.append(await self.wait_rows(session, tenant, proc,
+                                                     queued=name == "flood"))
                 outcomes.append(await self.probe(session, *next(prompts)))
         finally:
             if proc is not None:
@@ -276,14 +275,15 @@ class Bench:
         queued = sum(r["phase"] == "queued" for r in mine)
         return len(mine) - queued, queued
 
-    async def wait_rows(self, session, tenant: str, proc, queued: bool) -> None:
-        """Until the load holds every row it may (and, a flood, has requests queued)."""
+    async def wait_rows(self, session, tenant: str, proc, queued: bool) -> tuple[int, int]:
+        """Until the load holds every row it may (and, a flood, has requests queued): the
+        (rows held, requests queued) then, which may exceed what it may hold."""
         rows = self.args.max_batch - self.args.reserved_rows
         deadline = time.monotonic() + self.args.timeout
         while True:
             held, waiting = await self.load_now(session, tenant)
             if held >= rows and (waiting > 0 or not queued):
-                return
+                return held, waiting
             if proc.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"tenant {tenant} never held its {rows} rows "
                                    f"(holds {held}, {waiting} queued); see {self.args.scratch}")
