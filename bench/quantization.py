@@ -5,8 +5,9 @@
         [--out bench/results/quantization.json]
 
 Conditions, side by side: each --weight-dtype with the KV in f32 (keyed by its name; f32,
-the first, is the reference; bf16 runs on the AMX kernel where the CPU has it, and then
-also through XLA, keyed "bf16-xla"; auto is what the engine picks here), and each
+the first, is the reference; bf16 runs on a bf16 CPU kernel (AMX, AVX512-BF16) where the
+CPU has one, and then also through XLA, keyed "bf16-xla"; auto is what the engine picks
+here), and each
 --kv-dtype with f32 weights (keyed "kv-int8", "kv-fp8"). For each:
 - accuracy, through a live `jaxserve serve --weight-dtype W --kv-dtype K` (the
   lm-evaluation-harness path: /v1/completions with `echo` and `logprobs`):
@@ -92,13 +93,14 @@ def agreement(a: list[str], b: list[str]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
-def conditions(weight_dtypes: list[str], kv_dtypes: list[str], amx: bool
+def conditions(weight_dtypes: list[str], kv_dtypes: list[str], kernel: bool
                ) -> dict[str, tuple[str, str, str]]:
-    """Each condition's name and its (weight dtype, KV dtype, linear backend)."""
+    """Each condition's name and its (weight dtype, KV dtype, linear backend); `kernel`:
+    a bf16 CPU kernel (AMX, AVX512-BF16) serves bf16 here, so XLA's bf16 runs beside it."""
     out = {"f32": ("f32", "auto", "auto")}
     for w in weight_dtypes:
         out[w] = (w, "auto", "auto")
-        if w == "bf16" and amx:
+        if w == "bf16" and kernel:
             out["bf16-xla"] = (w, "auto", "xla")
     out.update({f"kv-{k}": ("f32", k, "auto") for k in kv_dtypes})
     return out
@@ -245,7 +247,8 @@ def main() -> None:
 
     weight_dtypes, kv_dtypes = ([x.strip() for x in arg.split(",") if x.strip() not in ("", "f32")]
                                 for arg in (args.weight_dtypes, args.kv_dtypes))
-    conds = conditions(weight_dtypes, kv_dtypes, linear.available())
+    kernel = linear.select("auto", "bfloat16", "float32", True) != "xla"
+    conds = conditions(weight_dtypes, kv_dtypes, kernel)
     text = TEXT.read_text()
     results = step_times(args.model, conds, args.steps)
     for name, (w, k, b) in conds.items():

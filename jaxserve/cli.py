@@ -189,8 +189,9 @@ def _engine_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--attention-backend", choices=ATTENTION_BACKENDS)
     group.add_argument(
         "--linear-backend", default=DEFAULTS["linear_backend"], choices=LINEAR_BACKENDS,
-        help="how bf16 projections multiply: amx packs them for Intel AMX (one CPU device, "
-        "--dtype float32); auto: amx where it can run, else xla",
+        help="how bf16 projections multiply: amx and avx512_bf16 pack them for a kernel on "
+        "Intel AMX or AVX512-BF16 (one CPU device, --dtype float32); auto: the first of "
+        "those that runs here, else xla",
     )
     group.add_argument("--tpot-slo-ms", type=float, help="cap the batch so steps stay under 60%%")
     group.add_argument(

@@ -56,8 +56,9 @@ WEIGHT_DTYPES = ("auto", "f32", "bf16", "int8", "fp8")
 # --kv-dtype's choices, how KV pages are stored (device/kv_cache.py); auto: in --dtype
 KV_DTYPES = ("auto", "f32", "bf16", "int8", "fp8")
 ATTENTION_BACKENDS = ("pallas", "pallas-interpret", "cpu", "xla", "reference")  # see attention.py
-# how bf16 projections multiply (cpu_kernels/linear.py): auto is amx where it can run
-LINEAR_BACKENDS = ("auto", "amx", "xla")
+# how bf16 projections multiply (cpu_kernels/linear.py): auto is the first of amx and
+# avx512_bf16 that can run, else xla
+LINEAR_BACKENDS = ("auto", "amx", "avx512_bf16", "xla")
 
 
 @dataclass(frozen=True, slots=True)

@@ -71,18 +71,20 @@ class LLM:
         module, self.tokenizer = load(self.model_path, self.dtype, self.mesh, cfg.weight_dtype)
         self.config = module.config
         stored = projection_dtype(module, self.dtype)
-        # auto with f32 projections may take bf16 on the AMX kernel where the CPU has it:
-        # 2x the tokens/s of f32 at 0.06 % of its log-likelihood (README); --weight-dtype
-        # f32 keeps f32, and a model without projections has none to pack
+        # auto with f32 projections may take bf16 on a CPU kernel (AMX, AVX512-BF16) where
+        # the CPU has one: 1.4-2x the tokens/s of f32 at 0.06 % of its log-likelihood
+        # (README); --weight-dtype f32 keeps f32, and a model without projections has none
+        # to pack
         rules = get_model_spec(self.config.architecture).weight_map(self.config)
         to_bf16 = (cfg.weight_dtype == "auto" and stored == "float32"
                    and any(rule.projection for rule in rules.values()))
         self.linear_backend = linear.select(cfg.linear_backend,
                                             "bfloat16" if to_bf16 else stored, self.dtype,
                                             self.mesh is None)
-        self.weight_dtype = "bfloat16" if self.linear_backend == "amx" else stored
-        if self.linear_backend == "amx":
-            module = pack_projections(module)  # rounds f32 projections to bf16
+        if self.linear_backend != "xla":
+            stored = "bfloat16"
+            module = pack_projections(module, self.linear_backend)  # rounds f32 to bf16
+        self.weight_dtype = stored
         # auto: pages in the serving dtype (f16 only there: --dtype float16)
         self.kv_dtype = storage_name(self.dtype) if cfg.kv_dtype == "auto" else cfg.kv_dtype
         self.num_pages = cfg.num_pages

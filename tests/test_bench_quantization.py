@@ -17,16 +17,16 @@ def test_help_names_the_weight_dtypes():
 
 
 def test_conditions_pair_each_dtype_with_the_other_in_f32():
-    assert quantization.conditions(["auto", "int8"], ["fp8"], amx=False) == {
+    assert quantization.conditions(["auto", "int8"], ["fp8"], kernel=False) == {
         "f32": ("f32", "auto", "auto"), "auto": ("auto", "auto", "auto"),
         "int8": ("int8", "auto", "auto"), "kv-fp8": ("f32", "fp8", "auto")}
 
 
-def test_bf16_runs_through_xla_too_where_amx_serves_it():
-    conds = quantization.conditions(["bf16"], [], amx=True)
+def test_bf16_runs_through_xla_too_where_a_kernel_serves_it():
+    conds = quantization.conditions(["bf16"], [], kernel=True)
     assert conds == {"f32": ("f32", "auto", "auto"), "bf16": ("bf16", "auto", "auto"),
                      "bf16-xla": ("bf16", "auto", "xla")}
-    assert "bf16-xla" not in quantization.conditions(["bf16"], [], amx=False)
+    assert "bf16-xla" not in quantization.conditions(["bf16"], [], kernel=False)
 
 
 def test_agreement_counts_tokens_before_the_first_divergence():

@@ -1,7 +1,9 @@
-"""bf16 weights on Intel AMX (cpu_kernels/linear.py): the packing, the kernel against x @ w
-in float64, the choice of backend, and the engine serving with it.
+"""bf16 weights on the CPU's bf16 units (cpu_kernels/linear.py): the packing, each kernel
+(AMX, AVX512-BF16) against x @ w in float64, the choice of backend, and the engine serving
+with it.
 
-The kernel tests need a CPU with AMX; the packing and the backend's refusals run anywhere.
+A kernel's tests run where the CPU has its instructions (a Zen 4 or 5 runs avx512_bf16's,
+a Sapphire Rapids both); the packing and the backend's refusals run anywhere.
 """
 
 import jax
@@ -14,7 +16,8 @@ from jaxserve import LLM, SamplingParams
 from jaxserve.cpu_kernels import linear
 from jaxserve.models.layers import PackedWeight
 
-needs_amx = pytest.mark.skipif(not linear.available(), reason="this CPU has no AMX")
+KERNELS = [pytest.param(b, marks=pytest.mark.skipif(
+    not linear.available(b), reason=f"this CPU has no {b}")) for b in linear.KERNELS]
 ENGINE = {"max_batch": 4, "token_budget": 32, "num_pages": 64, "page_size": 4}
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 
@@ -51,87 +54,104 @@ def test_weights_that_do_not_pack_are_refused():
         linear.pack(np.zeros((64, 40), np.float32))
 
 
-@needs_amx
+@pytest.mark.parametrize("backend", KERNELS)
 @pytest.mark.parametrize(("m", "k", "n"), [
     (1, 576, 1536),   # a decode of one row
     (16, 576, 192),   # SmolLM2's k/v projection at a full decode batch
     (17, 100, 48),    # a partial row block, inputs padded, an odd column block
     (40, 1536, 576),  # a prefill chunk over three row blocks
     (5, 64, 4096),    # many work items
+    (6, 64, 80),      # a row block of 4 and a part one; column blocks past the last whole 4
     (0, 64, 32),      # an empty step
 ])
-def test_the_kernel_is_x_times_the_bf16_weight(m, k, n):
+def test_the_kernel_is_x_times_the_bf16_weight(backend, m, k, n):
     """To f32 accuracy in x: the kernel splits x into two bf16 parts, so it does not
     round the activations (one bf16 part alone would be ~1e-3 off)."""
     rng = np.random.default_rng(m + k + n)
     w = rng.standard_normal((k, n)).astype(np.float32)
     x = rng.standard_normal((m, k)).astype(np.float32)
-    got = np.asarray(jax.jit(linear.amx_linear)(jnp.asarray(x), jnp.asarray(linear.pack(w))))
+    kernel = jax.jit(linear.packed_linear, static_argnames="backend")
+    got = np.asarray(kernel(jnp.asarray(x), jnp.asarray(linear.pack(w)), backend=backend))
     want = x.astype(np.float64) @ bf16(w)
     assert got.shape == (m, n) and got.dtype == np.float32
     np.testing.assert_allclose(got, want, rtol=0, atol=2e-5 * max(1.0, np.abs(want).max(initial=0)))
 
 
-@needs_amx
-def test_a_stacked_weight_is_read_at_its_layer_in_a_scan():
+@pytest.mark.parametrize("backend", KERNELS)
+def test_a_stacked_weight_is_read_at_its_layer_in_a_scan(backend):
     rng = np.random.default_rng(1)
     w = rng.standard_normal((3, 64, 32)).astype(np.float32)
     x = rng.standard_normal((2, 7, 64)).astype(np.float32)  # leading axes are kept
     packed = jnp.asarray(linear.pack(w))
     for layer in range(3):
-        got = linear.amx_linear(jnp.asarray(x), packed, layer)
+        got = linear.packed_linear(jnp.asarray(x), packed, layer, backend)
         np.testing.assert_allclose(got, x.astype(np.float64) @ bf16(w[layer]), atol=1e-4)
     with pytest.raises(ValueError, match="needs the layer"):
-        linear.amx_linear(jnp.asarray(x), packed)
+        linear.packed_linear(jnp.asarray(x), packed, backend=backend)
     with pytest.raises(ValueError, match="inputs"):
-        linear.amx_linear(jnp.ones((2, 96)), packed, 0)
+        linear.packed_linear(jnp.ones((2, 96)), packed, 0, backend)
 
 
-@needs_amx
-def test_non_finite_activations_stay_non_finite():
+@pytest.mark.parametrize("backend", KERNELS)
+def test_non_finite_activations_stay_non_finite(backend):
     w = np.ones((32, 16), np.float32)
     x = np.zeros((2, 32), np.float32)
     x[0, 3], x[1, 5] = np.nan, np.inf
-    got = np.asarray(linear.amx_linear(jnp.asarray(x), jnp.asarray(linear.pack(w))))
+    got = np.asarray(linear.packed_linear(jnp.asarray(x), jnp.asarray(linear.pack(w)),
+                                          backend=backend))
     assert np.isnan(got[0]).all() and not np.isfinite(got[1]).any()
 
 
-def test_amx_is_refused_with_the_reason_where_it_cannot_run():
+@pytest.mark.parametrize("backend", list(linear.KERNELS))
+def test_a_kernel_is_refused_with_the_reason_where_it_cannot_run(backend):
     f32 = jnp.float32
     assert linear.select("xla", "bfloat16", f32, True) == "xla"
     assert linear.select("auto", "float32", f32, True) == "xla"
     assert linear.select("auto", "bfloat16", f32, False) == "xla"
     with pytest.raises(ValueError, match="bf16 weights"):
-        linear.select("amx", "int8", f32, True)
+        linear.select(backend, "int8", f32, True)
     with pytest.raises(ValueError, match="f32 activations"):
-        linear.select("amx", "bfloat16", jnp.bfloat16, True)
+        linear.select(backend, "bfloat16", jnp.bfloat16, True)
     with pytest.raises(ValueError, match="one device"):
-        linear.select("amx", "bfloat16", f32, False)
-    expected = "amx" if linear.available() else "xla"
-    assert linear.select("auto", "bfloat16", f32, True) == expected
+        linear.select(backend, "bfloat16", f32, False)
+    if linear.available(backend):
+        assert linear.select(backend, "bfloat16", f32, True) == backend
+    else:
+        with pytest.raises(ValueError, match=f"lacks it.*{backend} needs"):
+            linear.select(backend, "bfloat16", f32, True)
 
 
-@needs_amx
-def test_the_engine_on_amx_gives_the_tokens_of_xla_bf16(tiny_model):
-    """Same bf16 projections, the head also in bf16 on AMX: greedy tokens agree with XLA's
-    bf16 path, batched and chunked; the head's packed copy is the only extra memory."""
+def test_auto_takes_the_first_kernel_that_runs_here():
+    """AMX where the CPU has it (a Sapphire Rapids has AVX512-BF16 too), else
+    AVX512-BF16, else XLA."""
+    expected = next((b for b in linear.KERNELS if linear.available(b)), "xla")
+    assert linear.select("auto", "bfloat16", jnp.float32, True) == expected
+
+
+@pytest.mark.parametrize("backend", KERNELS)
+def test_the_engine_on_a_kernel_gives_the_tokens_of_xla_bf16(tiny_model, backend):
+    """Same bf16 projections, the head also in bf16 on the kernel: greedy tokens agree with
+    XLA's bf16 path, batched and chunked; the head's packed copy is the only extra
+    memory."""
     prompts = [[5, 6, 7], list(range(10, 40)), [9] * 17]
     xla = LLM(tiny_model, weight_dtype="bf16", linear_backend="xla", **ENGINE)
-    amx = LLM(tiny_model, weight_dtype="bf16", linear_backend="amx", **ENGINE)
-    assert (xla.linear_backend, amx.linear_backend) == ("xla", "amx")
-    assert isinstance(amx.runner.state["layers"]["q_proj"].get_value(), PackedWeight)
-    assert [o.token_ids for o in amx.generate(prompts, GREEDY)] == [
+    packed = LLM(tiny_model, weight_dtype="bf16", linear_backend=backend, **ENGINE)
+    assert (xla.linear_backend, packed.linear_backend) == ("xla", backend)
+    q_proj = packed.runner.state["layers"]["q_proj"].get_value()
+    assert isinstance(q_proj, PackedWeight) and q_proj.backend == backend
+    assert [o.token_ids for o in packed.generate(prompts, GREEDY)] == [
         o.token_ids for o in xla.generate(prompts, GREEDY)]
-    c = amx.config
-    assert amx.weight_bytes == xla.weight_bytes + c.vocab_size * c.hidden_size * 2
+    c = packed.config
+    assert packed.weight_bytes == xla.weight_bytes + c.vocab_size * c.hidden_size * 2
 
 
-def test_auto_serves_bf16_on_amx_and_f32_elsewhere(tiny_model):
-    """--weight-dtype auto with f32 activations: bf16 projections on the AMX kernel where
-    the CPU has it (the faster exact-enough choice, README), f32 on XLA where it does not;
+def test_auto_serves_bf16_on_a_kernel_and_f32_elsewhere(tiny_model):
+    """--weight-dtype auto with f32 activations: bf16 projections on a kernel where the
+    CPU has one (the faster exact-enough choice, README), f32 on XLA where it does not;
     an explicit f32 stays f32."""
     auto = LLM(tiny_model, **ENGINE)
-    want = ("bfloat16", "amx") if linear.available() else ("float32", "xla")
+    kernel = linear.select("auto", "bfloat16", jnp.float32, True)
+    want = ("float32", "xla") if kernel == "xla" else ("bfloat16", kernel)
     assert (auto.weight_dtype, auto.linear_backend) == want
     f32 = LLM(tiny_model, weight_dtype="f32", **ENGINE)
     assert (f32.weight_dtype, f32.linear_backend) == ("float32", "xla")

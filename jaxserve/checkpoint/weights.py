@@ -246,19 +246,19 @@ def store_projections(model: nnx.Module, weight_dtype: str, mesh: Mesh | None = 
     return nnx.merge(graphdef, map_params(as_stored, state))
 
 
-def pack_projections(model: nnx.Module) -> nnx.Module:
-    """`model` (on one device) with its float projections packed for the AMX kernel
-    (layers.PackedWeight), rounded to bf16 as `pack` does (an f32 model is packed
-    straight, not stored as bf16 first), and its LM head packed too: the step's largest
-    matmul. A tied head gains a packed copy of the embedding, which the lookup keeps
-    reading."""
+def pack_projections(model: nnx.Module, backend: str) -> nnx.Module:
+    """`model` (on one device) with its float projections packed for `backend`'s kernel
+    (layers.PackedWeight, cpu_kernels.linear.KERNELS), rounded to bf16 as `pack` does
+    (an f32 model is packed straight, not stored as bf16 first), and its LM head packed
+    too: the step's largest matmul. A tied head gains a packed copy of the embedding,
+    which the lookup keeps reading."""
     graphdef, state = nnx.split(model)
     rules = get_model_spec(model.config.architecture).weight_map(model.config)
 
     def packed(name: str, value):
         if (rules[name].projection and isinstance(value, jax.Array)
                 and value.dtype in (jnp.float32, jnp.bfloat16) and fits(*value.shape[-2:])):
-            return PackedWeight(jnp.asarray(pack(np.asarray(value))))
+            return PackedWeight(jnp.asarray(pack(np.asarray(value))), backend)
         return value
 
     model = nnx.merge(graphdef, map_params(packed, state))
@@ -268,7 +268,7 @@ def pack_projections(model: nnx.Module) -> nnx.Module:
     elif hasattr(model, "embed"):  # tied
         head = model.embed.get_value().T
     if isinstance(head, jax.Array) and fits(*head.shape):
-        model.lm_head = nnx.Param(PackedWeight(jnp.asarray(pack(np.asarray(head)))))
+        model.lm_head = nnx.Param(PackedWeight(jnp.asarray(pack(np.asarray(head))), backend))
     return model
 
 

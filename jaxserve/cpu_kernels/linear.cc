@@ -1,12 +1,16 @@
-// y = x @ w on Intel AMX: f32 activations times bf16 weights, f32 out, through XLA's FFI.
+// y = x @ w for f32 activations and bf16 weights, f32 out, through XLA's FFI, on Intel AMX
+// (JaxserveAmxLinear) or on AVX512-BF16 (JaxserveAvx512Bf16Linear: AMD Zen 4 and later,
+// Intel Cooper Lake and later).
 //
 // XLA:CPU computes a bf16 dot in f32 (it converts the weight first, which made bf16
-// weights 2.3x slower than f32 ones), so a bf16 weight never reached the AMX units. Here the
-// weight is packed once, at load, into AMX tiles (linear.py's `pack`): for every block of
-// 16 output columns and 32 inputs, a 16 x 64-byte tile of (input pair, column, pair
-// member), which `tdpbf16ps` takes as its B operand. Whole layer stacks are passed with a
-// layer index, so a scanned model reads each layer's weights in place rather than copying
-// its slice first.
+// weights 2.3x slower than f32 ones), so a bf16 weight never reached the CPU's bf16 units.
+// Here the weight is packed once, at load, into AMX tiles (linear.py's `pack`): for every
+// block of 16 output columns and 32 inputs, a 16 x 64-byte tile of (input pair, column,
+// pair member), which `tdpbf16ps` takes as its B operand. A row of that tile is one input
+// pair of 16 columns: the 512-bit operand `vdpbf16ps` takes, so both paths read one
+// layout. Whole layer stacks are passed with a layer index, so a scanned model reads each
+// layer's weights in place rather than copying its slice first (XLA's copies of the
+// scan's weight slices were 40 % of an f32 decode step on a Zen 5).
 //
 // The activations are not rounded to bf16: each block of x is split into hi = bf16(x) and
 // lo = bf16(x - hi) and both are multiplied, so the result is x (to ~16 mantissa bits)
@@ -39,7 +43,12 @@ constexpr int64_t kRows = 16;         // rows of a tile (tokens of x; input pair
 constexpr int64_t kCols = 16;         // f32 columns of an output tile
 constexpr int64_t kDepth = 32;        // inputs a tile multiplies (16 bf16 pairs)
 constexpr int64_t kTile = kRows * kDepth;  // bf16 values in an A or B tile (1 KiB)
-constexpr int64_t kItemBlocks = 8;    // column blocks of one work item (128 columns)
+constexpr int64_t kItemBlocks = 8;    // column blocks of an AMX work item (128 columns)
+// AVX512-BF16: a register block of kVecRows rows x kVecBlocks column blocks (16 f32
+// accumulators; 4 x 4 measured fastest of 4x4, 6x4 and 8x2 at SmolLM2's shapes), and a
+// work item of that many column blocks, so a 576-column output makes 9 items for 2 cores.
+constexpr int64_t kVecRows = 4;
+constexpr int64_t kVecBlocks = 4;
 
 struct TileConfig {
   uint8_t palette_id = 1;
@@ -150,36 +159,106 @@ AMX int64_t DrainColumns(const Problem& p, std::atomic<int64_t>& next, int64_t i
   return finished;
 }
 
+// Rows [0, R) (of a kVecRows block whose rows past `rows` hold zeros) times column blocks
+// [b, b + C): acc[r][c] += x_hi[r] . w + x_lo[r] . w, one input pair at a time, each pair
+// of x broadcast to the 16 lanes that `vdpbf16ps` multiplies by a row of a tile.
+template <int R, int C>
+AVX512_BF16 void VecBlock(const Problem& p, int64_t row, int64_t b, int64_t rows) {
+  const int64_t depth = p.k_blocks * kDepth;
+  const uint16_t* hi = p.x_hi + row * depth;
+  const uint16_t* lo = p.x_lo + row * depth;
+  const uint16_t* w = p.w + b * p.k_blocks * kTile;
+  __m512 acc[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
+  for (int64_t kb = 0; kb < p.k_blocks; ++kb)
+    for (int64_t pair = 0; pair < kRows; ++pair) {
+      __m512bh wv[C];
+      for (int c = 0; c < C; ++c)
+        wv[c] = reinterpret_cast<__m512bh>(
+            _mm512_loadu_si512(w + (c * p.k_blocks + kb) * kTile + pair * kDepth));
+      const int64_t at = kb * kDepth + 2 * pair;
+      for (int r = 0; r < R; ++r) {
+        int32_t h, l;
+        std::memcpy(&h, hi + r * depth + at, sizeof h);
+        std::memcpy(&l, lo + r * depth + at, sizeof l);
+        const __m512bh xh = reinterpret_cast<__m512bh>(_mm512_set1_epi32(h));
+        const __m512bh xl = reinterpret_cast<__m512bh>(_mm512_set1_epi32(l));
+        for (int c = 0; c < C; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], xh, wv[c]);
+        for (int c = 0; c < C; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], xl, wv[c]);
+      }
+    }
+  for (int64_t r = 0; r < std::min<int64_t>(R, rows); ++r)
+    for (int c = 0; c < C; ++c)
+      _mm512_storeu_ps(p.y + (row + r) * p.n + (b + c) * kCols, acc[r][c]);
+}
+
+// Output columns [16 * b0, 16 * b1) for every row, on AVX512-BF16. A lone last row takes
+// a one-row block (a decode of one sequence computes no padding rows); a last column
+// block short of kVecBlocks takes one block at a time.
+AVX512_BF16 void VecColumns(const Problem& p, int64_t b0, int64_t b1) {
+  for (int64_t row = 0; row < p.m; row += kVecRows) {
+    const int64_t rows = p.m - row;
+    for (int64_t b = b0; b < b1;) {
+      const bool whole = b1 - b >= kVecBlocks;
+      if (whole && rows == 1) VecBlock<1, kVecBlocks>(p, row, b, rows);
+      else if (whole) VecBlock<kVecRows, kVecBlocks>(p, row, b, rows);
+      else if (rows == 1) VecBlock<1, 1>(p, row, b, rows);
+      else VecBlock<kVecRows, 1>(p, row, b, rows);
+      b += whole ? kVecBlocks : 1;
+    }
+  }
+}
+
+enum class Isa { kAmx, kAvx512Bf16 };
+
+template <Isa isa>
 ffi::Error Linear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U16> w,
                   ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> y) {
   const auto xd = x.dimensions(), wd = w.dimensions();
   if (xd.size() != 2 || wd.size() != 5 || wd[3] != kRows || wd[4] != kDepth)
-    return ffi::Error::InvalidArgument("amx linear: x must be [m, k], w [layers, n/16, k/32, 16, 32]");
+    return ffi::Error::InvalidArgument(
+        "packed linear: x must be [m, k], w [layers, n/16, k/32, 16, 32]");
   const int64_t m = xd[0], k = xd[1], n_blocks = wd[1], k_blocks = wd[2];
   if (k > k_blocks * kDepth || k <= (k_blocks - 1) * kDepth)
-    return ffi::Error::InvalidArgument("amx linear: x's inputs do not match w's");
+    return ffi::Error::InvalidArgument("packed linear: x's inputs do not match w's");
   const int64_t l = layer.typed_data()[0];
-  if (l < 0 || l >= wd[0]) return ffi::Error::InvalidArgument("amx linear: layer out of range");
-  if (!RequestAmx()) return ffi::Error::Internal("amx linear: the kernel refused AMX's tile state");
+  if (l < 0 || l >= wd[0]) return ffi::Error::InvalidArgument("packed linear: layer out of range");
+  if (isa == Isa::kAmx && !RequestAmx())
+    return ffi::Error::Internal("amx linear: the kernel refused AMX's tile state");
   if (m == 0) return ffi::Error::Success();
   const int64_t m_blocks = (m + kRows - 1) / kRows, depth = k_blocks * kDepth;
   std::vector<uint16_t> hi(m_blocks * kRows * depth, 0), lo(hi.size(), 0);
   Split(x.typed_data(), m, k, depth, hi.data(), lo.data());
   const Problem p{hi.data(), lo.data(), w.typed_data() + l * n_blocks * k_blocks * kTile,
                   y->typed_data(), m, n_blocks * kCols, m_blocks, n_blocks, k_blocks};
-  const int64_t items = (n_blocks + kItemBlocks - 1) / kItemBlocks;
-  jaxserve::RunOnPool(pool, items, [p](std::atomic<int64_t>& next, int64_t total) {
-    return DrainColumns(p, next, total);
-  });
+  if constexpr (isa == Isa::kAmx) {
+    const int64_t items = (n_blocks + kItemBlocks - 1) / kItemBlocks;
+    jaxserve::RunOnPool(pool, items, [p](std::atomic<int64_t>& next, int64_t total) {
+      return DrainColumns(p, next, total);
+    });
+  } else {
+    const int64_t items = (n_blocks + kVecBlocks - 1) / kVecBlocks;
+    jaxserve::RunOnPool(pool, items, [p](std::atomic<int64_t>& next, int64_t total) {
+      int64_t finished = 0;
+      for (int64_t i = next.fetch_add(1); i < total; i = next.fetch_add(1), ++finished)
+        VecColumns(p, i * kVecBlocks, std::min(p.n_blocks, (i + 1) * kVecBlocks));
+      return finished;
+    });
+  }
   return ffi::Error::Success();
 }
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveAmxLinear, Linear,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // x
-                                  .Arg<ffi::Buffer<ffi::U16>>()  // packed bf16 weight stack
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // layer
-                                  .Ret<ffi::Buffer<ffi::F32>>());  // y
+#define JAXSERVE_LINEAR_BINDING                    \
+  ffi::Ffi::Bind()                                 \
+      .Ctx<ffi::ThreadPool>()                      \
+      .Arg<ffi::Buffer<ffi::F32>>() /* x */        \
+      .Arg<ffi::Buffer<ffi::U16>>() /* w, packed */ \
+      .Arg<ffi::Buffer<ffi::S32>>() /* layer */    \
+      .Ret<ffi::Buffer<ffi::F32>>() /* y */
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveAmxLinear, Linear<Isa::kAmx>, JAXSERVE_LINEAR_BINDING);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveAvx512Bf16Linear, Linear<Isa::kAvx512Bf16>,
+                              JAXSERVE_LINEAR_BINDING);

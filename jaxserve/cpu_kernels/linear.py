@@ -1,10 +1,13 @@
-"""bf16 weights on Intel AMX: linear.cc's kernel through XLA's FFI, and the packing it reads.
+"""bf16 weights on the CPU's bf16 units: linear.cc's kernels through XLA's FFI, and the
+packing they read.
 
 XLA:CPU converts a bf16 weight to f32 before every dot, so `--weight-dtype bf16` streamed
-half the bytes and still ran 2.3x slower than f32. On a CPU with AMX (Sapphire Rapids and
-later) the weight is instead packed once, at load, into the tiles that AMX multiplies
-(`pack`), and `amx_linear` multiplies f32 activations by it to f32 precision of x (x is
-split into two bf16 parts; see linear.cc). Its reference is `x @ unpack(w)` in f32.
+half the bytes and still ran 2.3x slower than f32. On a CPU with Intel AMX (Sapphire
+Rapids and later) or AVX512-BF16 (AMD Zen 4 and later) the weight is instead packed once,
+at load, into the tiles that AMX multiplies (`pack`; a tile's row is also the operand of
+AVX512-BF16's `vdpbf16ps`), and `packed_linear` multiplies f32 activations by it to f32
+precision of x (x is split into two bf16 parts; see linear.cc). Its reference is
+`x @ unpack(w)` in f32.
 """
 
 import ctypes
@@ -20,9 +23,14 @@ from jaxserve.cpu_kernels.build import KernelUnavailable, build, cpu_flags
 
 log = logging.getLogger(__name__)
 
-TARGET = "jaxserve_amx_linear"
 ROWS, DEPTH = 16, 32  # a packed tile: 16 input pairs × 16 columns × 2 (linear.cc)
-CPU_FLAGS = ("amx_tile", "amx_bf16", "avx512_bf16")  # what linear.cc runs on
+# backend: (its FFI target, linear.cc's handler symbol, the CPU flags it runs on), in the
+# order `auto` prefers them
+KERNELS = {
+    "amx": ("jaxserve_amx_linear", "JaxserveAmxLinear", ("amx_tile", "amx_bf16", "avx512_bf16")),
+    "avx512_bf16": ("jaxserve_avx512_bf16_linear", "JaxserveAvx512Bf16Linear",
+                    ("avx512f", "avx512bw", "avx512_bf16")),
+}
 
 
 def fits(in_features: int, out_features: int) -> bool:
@@ -32,26 +40,30 @@ def fits(in_features: int, out_features: int) -> bool:
 
 
 @functools.cache
-def available() -> bool:
-    """This CPU has AMX and the kernel builds and registers; False (logged once) if not."""
-    missing = [flag for flag in CPU_FLAGS if flag not in cpu_flags().split()]
+def available(backend: str) -> bool:
+    """This CPU runs `backend` (a key of KERNELS) and its kernel builds and registers;
+    False (logged once) if not."""
+    target, symbol, flags = KERNELS[backend]
+    missing = [flag for flag in flags if flag not in cpu_flags().split()]
     if missing:
-        log.info("no AMX kernel for bf16 weights: the CPU lacks %s", ", ".join(missing))
+        log.info("no %s kernel for bf16 weights: the CPU lacks %s", backend, ", ".join(missing))
         return False
     try:
         library = ctypes.cdll.LoadLibrary(str(build("linear")))
     except (KernelUnavailable, OSError) as e:
-        log.warning("the AMX bf16 kernel is unavailable, bf16 weights go through XLA: %s", e)
+        log.warning("the %s bf16 kernel is unavailable, bf16 weights go through XLA: %s",
+                    backend, e)
         return False
-    jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(library.JaxserveAmxLinear),
+    jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(library, symbol)),
                                 platform="cpu")
     return True
 
 
 def select(requested: str, weight_dtype: str, dtype: jnp.dtype, one_device: bool) -> str:
-    """The linear backend to serve with: "amx" for bf16 projections and f32 activations on
-    one CPU device that has AMX (`requested` "auto" or "amx"), else "xla". Asking for
-    "amx" where it cannot run is an error, not a silent fallback."""
+    """The linear backend to serve with: a kernel of KERNELS for bf16 projections and f32
+    activations on one CPU device that runs it (`requested` "auto": the first of KERNELS
+    that runs here), else "xla". Asking for a kernel where it cannot run is an error, not
+    a silent fallback."""
     if requested == "xla":
         return "xla"
     why = None
@@ -63,12 +75,16 @@ def select(requested: str, weight_dtype: str, dtype: jnp.dtype, one_device: bool
         why = "it runs unsharded, on one device"
     elif jax.default_backend() != "cpu":
         why = f"it runs on the CPU, not {jax.default_backend()}"
-    elif not available():
-        why = f"this CPU lacks AMX ({', '.join(CPU_FLAGS)}) or the kernel did not build"
+    candidates = list(KERNELS) if requested == "auto" else [requested]
     if why is None:
-        return "amx"
-    if requested == "amx":
-        raise ValueError(f"--linear-backend amx cannot serve here: {why}")
+        runs = [backend for backend in candidates if available(backend)]
+        if runs:
+            return runs[0]
+        why = "; ".join(f"{b} needs {', '.join(KERNELS[b][2])} and its kernel built"
+                        for b in candidates)
+        why = f"this CPU lacks it ({why})"
+    if requested != "auto":
+        raise ValueError(f"--linear-backend {requested} cannot serve here: {why}")
     return "xla"
 
 
@@ -98,12 +114,12 @@ def unpack(packed: np.ndarray, in_features: int) -> np.ndarray:
     return bits[..., :in_features, :].view(ml_dtypes.bfloat16).astype(np.float32)
 
 
-def amx_linear(x: jax.Array, packed: jax.Array, layer: jax.Array | int | None = None
-               ) -> jax.Array:
+def packed_linear(x: jax.Array, packed: jax.Array, layer: jax.Array | int | None = None,
+                  backend: str = "amx") -> jax.Array:
     """x [..., in] (f32) @ the packed weight (one [n/16, k/32, 16, 32], or a stack of them
-    with the `layer` to use) → f32 [..., out]."""
+    with the `layer` to use) → f32 [..., out], on `backend`'s kernel (a key of KERNELS)."""
     if x.dtype != jnp.float32:
-        raise ValueError(f"the AMX kernel takes f32 activations, got {x.dtype}")
+        raise ValueError(f"the {backend} kernel takes f32 activations, got {x.dtype}")
     if packed.dtype != jnp.uint16 or packed.ndim not in (4, 5) or packed.shape[-2:] != (
             ROWS, DEPTH):
         raise ValueError(f"not a packed weight: {packed.dtype}{list(packed.shape)}")
@@ -114,9 +130,10 @@ def amx_linear(x: jax.Array, packed: jax.Array, layer: jax.Array | int | None = 
     k = x.shape[-1]
     if not (packed.shape[2] - 1) * DEPTH < k <= packed.shape[2] * DEPTH:
         raise ValueError(f"x has {k} inputs; the weight takes {packed.shape[2] * DEPTH} (padded)")
-    if not available():
-        raise RuntimeError("the AMX bf16 kernel is unavailable here (see the log)")
+    if not available(backend):
+        raise RuntimeError(f"the {backend} bf16 kernel is unavailable here (see the log)")
     n = packed.shape[1] * 16
     flat = x.reshape(-1, k)
-    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((flat.shape[0], n), jnp.float32))
+    call = jax.ffi.ffi_call(KERNELS[backend][0],
+                            jax.ShapeDtypeStruct((flat.shape[0], n), jnp.float32))
     return call(flat, packed, jnp.asarray(layer, jnp.int32)).reshape(*x.shape[:-1], n)

@@ -3,20 +3,20 @@
 Every projection goes through `linear`, so how a weight is stored is decided here and
 nowhere else: a plain [in, out] array (in the serving dtype, or another float dtype cast
 on the fly), or a `QuantizedWeight` (int8 or fp8 values with one scale per output column,
-dequantized on the fly), or a `PackedWeight` (bf16 packed for the AMX kernel, which
-reads it in place). Another storage format (grouped int4) is another case here; model code
-does not change. A layer scan goes through `scan_layers`, which hands a packed stack to
-the kernel whole, with the layer's index.
+dequantized on the fly), or a `PackedWeight` (bf16 packed for a CPU kernel, AMX or
+AVX512-BF16, which reads it in place). Another storage format (grouped int4) is another
+case here; model code does not change. A layer scan goes through `scan_layers`, which
+hands a packed stack to the kernel whole, with the layer's index.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-from jaxserve.cpu_kernels.linear import amx_linear
+from jaxserve.cpu_kernels.linear import packed_linear
 
 FLOAT_STORAGE = {"f32": np.float32, "bf16": ml_dtypes.bfloat16}
 # quantized storage: its numpy dtype and the largest magnitude it holds (fp8 is e4m3)
@@ -37,19 +37,22 @@ class QuantizedWeight:
 @jax.tree_util.register_dataclass
 @dataclass(frozen=True, slots=True)
 class PackedWeight:
-    """A bf16 weight packed into AMX tiles (cpu_kernels/linear.py's `pack`): one weight, or
-    a stack of layers and, inside `scan_layers`, the layer to read. The stack is not sliced
-    per layer, as a scan slices its inputs, because XLA copies such a slice before using
-    it: a third more memory traffic than the matmul's own."""
+    """A bf16 weight packed into AMX tiles (cpu_kernels/linear.py's `pack`) for the kernel
+    `backend` names: one weight, or a stack of layers and, inside `scan_layers`, the layer
+    to read. The stack is not sliced per layer, as a scan slices its inputs, because XLA
+    copies such a slice before using it: a third more memory traffic than the matmul's
+    own."""
 
     values: jax.Array  # u16[..., out/16, in/32, 16, 32]
+    backend: str = field(metadata={"static": True})  # a key of cpu_kernels.linear.KERNELS
     layer: jax.Array | None = None  # i32[]
 
 
 def linear(x: jax.Array, w: jax.Array | QuantizedWeight | PackedWeight) -> jax.Array:
     """x @ w for x [..., in] and a weight [in, out] in any storage, in x's dtype."""
     if isinstance(w, PackedWeight):
-        return amx_linear(x.astype(jnp.float32), w.values, w.layer).astype(x.dtype)
+        return packed_linear(x.astype(jnp.float32), w.values, w.layer, w.backend
+                             ).astype(x.dtype)
     if isinstance(w, QuantizedWeight):
         return (x @ w.values.astype(x.dtype)) * w.scale.astype(x.dtype)
     return x @ w.astype(x.dtype)
@@ -64,7 +67,8 @@ def scan_layers(body, carry, weights: dict):
 
     def step(carry, xs):
         i, layer = xs
-        return body(carry, {**layer, **{n: PackedWeight(w.values, i) for n, w in packed.items()}})
+        at_layer = {n: PackedWeight(w.values, w.backend, i) for n, w in packed.items()}
+        return body(carry, {**layer, **at_layer})
 
     return jax.lax.scan(step, carry, (jnp.arange(num_layers, dtype=jnp.int32), sliced))
 
