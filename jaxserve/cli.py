@@ -12,6 +12,7 @@ from jaxserve.config import (
     ATTENTION_BACKENDS,
     DTYPES,
     KV_DTYPES,
+    LINEAR_ACTIVATIONS,
     LINEAR_BACKENDS,
     WEIGHT_DTYPES,
     EngineConfig,
@@ -179,8 +180,9 @@ def _engine_flags(parser: argparse.ArgumentParser) -> None:
         help="weights and activations; auto: float32 on CPU (faster there), bfloat16 on GPU",
     )
     group.add_argument("--weight-dtype", default=DEFAULTS["weight_dtype"],
-                       choices=WEIGHT_DTYPES, help=WEIGHT_DTYPE_HELP + ", except bf16 on Intel "
-                       "AMX (--linear-backend) where the CPU has it and --dtype is float32")
+                       choices=WEIGHT_DTYPES, help=WEIGHT_DTYPE_HELP + ", except bf16 on a "
+                       "CPU kernel (--linear-backend: Intel AMX, AVX512-BF16) where the CPU has "
+                       "one and --dtype is float32")
     group.add_argument(
         "--kv-dtype", default=DEFAULTS["kv_dtype"], choices=KV_DTYPES,
         help="how KV pages are stored; auto: in --dtype; int8 keeps a scale per token and "
@@ -192,6 +194,13 @@ def _engine_flags(parser: argparse.ArgumentParser) -> None:
         help="how bf16 projections multiply: amx and avx512_bf16 pack them for a kernel on "
         "Intel AMX or AVX512-BF16 (one CPU device, --dtype float32); auto: the first of "
         "those that runs here, else xla",
+    )
+    group.add_argument(
+        "--linear-activations", default=DEFAULTS["linear_activations"],
+        choices=LINEAR_ACTIVATIONS,
+        help="what a bf16 CPU kernel multiplies the weights by: bf16 rounds the activations "
+        "(one pass, as vLLM's bf16 does), f32 keeps them (two passes: x times the bf16 "
+        "weight, as XLA computes it; prefill ~1.6x slower); auto: bf16",
     )
     group.add_argument("--tpot-slo-ms", type=float, help="cap the batch so steps stay under 60%%")
     group.add_argument(
@@ -252,6 +261,7 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
         weight_dtype=args.weight_dtype,
         attention_backend=args.attention_backend,
         linear_backend=args.linear_backend,
+        linear_activations=args.linear_activations,
         tpot_slo_ms=args.tpot_slo_ms,
         compilation_cache_dir=args.compilation_cache_dir or None,
         stream_capacity=args.stream_buffer,

@@ -81,9 +81,19 @@ class LLM:
         self.linear_backend = linear.select(cfg.linear_backend,
                                             "bfloat16" if to_bf16 else stored, self.dtype,
                                             self.mesh is None)
+        # what the kernel multiplies the bf16 weights by (XLA: x as it is)
+        self.linear_activations = cfg.linear_activations
+        if self.linear_backend == "xla" and self.linear_activations == "bf16":
+            raise ValueError("--linear-activations bf16 needs a bf16 CPU kernel "
+                             "(--linear-backend amx or avx512_bf16); XLA keeps them as they are")
+        if self.linear_backend == "xla":
+            self.linear_activations = self.dtype.name
+        elif self.linear_activations == "auto":
+            self.linear_activations = "bf16"
         if self.linear_backend != "xla":
             stored = "bfloat16"
-            module = pack_projections(module, self.linear_backend)  # rounds f32 to bf16
+            passes = 1 if self.linear_activations == "bf16" else 2
+            module = pack_projections(module, self.linear_backend, passes)  # f32 -> bf16
         self.weight_dtype = stored
         # auto: pages in the serving dtype (f16 only there: --dtype float16)
         self.kv_dtype = storage_name(self.dtype) if cfg.kv_dtype == "auto" else cfg.kv_dtype

@@ -94,6 +94,11 @@ class EngineClient:
         return self._llm.weight_dtype
 
     @property
+    def linear(self) -> str:
+        """How the projections multiply: the linear backend and what it multiplies by."""
+        return f"{self._llm.linear_backend}, activations {self._llm.linear_activations}"
+
+    @property
     def weight_bytes(self) -> int:
         return self._llm.weight_bytes
 

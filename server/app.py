@@ -103,9 +103,10 @@ class Server:
         log.info("a step running over %.0f s fails the engine (--step-timeout-s)", limit)
         self.client = client
         self.ready = True
-        log.info("ready: %s in %s (weights %s, %.0f MiB; KV %s, %d B/token, %d pages), "
-                 "%d buckets compiled", self.model_name, client.dtype, client.weight_dtype,
-                 client.weight_bytes / 2**20, client.kv_dtype, client.kv_bytes_per_token,
+        log.info("ready: %s in %s (weights %s, %.0f MiB, on %s; KV %s, %d B/token, %d "
+                 "pages), %d buckets compiled", self.model_name, client.dtype,
+                 client.weight_dtype, client.weight_bytes / 2**20, client.linear,
+                 client.kv_dtype, client.kv_bytes_per_token,
                  client.stats().pages_usable, client.num_buckets)
 
     def _compiled(self, progress) -> None:

@@ -65,16 +65,29 @@ def test_weights_that_do_not_pack_are_refused():
     (0, 64, 32),      # an empty step
 ])
 def test_the_kernel_is_x_times_the_bf16_weight(backend, m, k, n):
-    """To f32 accuracy in x: the kernel splits x into two bf16 parts, so it does not
-    round the activations (one bf16 part alone would be ~1e-3 off)."""
+    """With two passes, to f32 accuracy in x: the kernel splits x into two bf16 parts, so
+    it does not round the activations (one bf16 part alone is ~1e-3 off); with one pass,
+    bf16(x) times the bf16 weight, summed in f32."""
     rng = np.random.default_rng(m + k + n)
     w = rng.standard_normal((k, n)).astype(np.float32)
     x = rng.standard_normal((m, k)).astype(np.float32)
-    kernel = jax.jit(linear.packed_linear, static_argnames="backend")
-    got = np.asarray(kernel(jnp.asarray(x), jnp.asarray(linear.pack(w)), backend=backend))
-    want = x.astype(np.float64) @ bf16(w)
-    assert got.shape == (m, n) and got.dtype == np.float32
-    np.testing.assert_allclose(got, want, rtol=0, atol=2e-5 * max(1.0, np.abs(want).max(initial=0)))
+    kernel = jax.jit(linear.packed_linear, static_argnames=("backend", "passes"))
+    for passes, want in ((2, x.astype(np.float64) @ bf16(w)), (1, bf16(x) @ bf16(w))):
+        got = np.asarray(kernel(jnp.asarray(x), jnp.asarray(linear.pack(w)), backend=backend,
+                                passes=passes))
+        assert got.shape == (m, n) and got.dtype == np.float32
+        scale = max(1.0, np.abs(want).max(initial=0))
+        np.testing.assert_allclose(got, want, rtol=0, atol=2e-5 * scale, err_msg=f"{passes=}")
+    if m:  # the passes differ by x's rounding: one pass is not two
+        two_pass = x.astype(np.float64) @ bf16(w)
+        assert np.abs(got - two_pass).max() > 1e-4 * np.abs(two_pass).max()
+
+
+@pytest.mark.parametrize("backend", KERNELS)
+def test_passes_other_than_one_or_two_are_refused(backend):
+    packed = jnp.asarray(linear.pack(np.ones((32, 16), np.float32)))
+    with pytest.raises(ValueError, match="passes"):
+        linear.packed_linear(jnp.ones((1, 32)), packed, backend=backend, passes=3)
 
 
 @pytest.mark.parametrize("backend", KERNELS)
@@ -135,14 +148,37 @@ def test_the_engine_on_a_kernel_gives_the_tokens_of_xla_bf16(tiny_model, backend
     memory."""
     prompts = [[5, 6, 7], list(range(10, 40)), [9] * 17]
     xla = LLM(tiny_model, weight_dtype="bf16", linear_backend="xla", **ENGINE)
-    packed = LLM(tiny_model, weight_dtype="bf16", linear_backend=backend, **ENGINE)
+    packed = LLM(tiny_model, weight_dtype="bf16", linear_backend=backend,
+                 linear_activations="f32", **ENGINE)
     assert (xla.linear_backend, packed.linear_backend) == ("xla", backend)
     q_proj = packed.runner.state["layers"]["q_proj"].get_value()
-    assert isinstance(q_proj, PackedWeight) and q_proj.backend == backend
+    assert isinstance(q_proj, PackedWeight) and (q_proj.backend, q_proj.passes) == (backend, 2)
     assert [o.token_ids for o in packed.generate(prompts, GREEDY)] == [
         o.token_ids for o in xla.generate(prompts, GREEDY)]
     c = packed.config
     assert packed.weight_bytes == xla.weight_bytes + c.vocab_size * c.hidden_size * 2
+
+
+@pytest.mark.parametrize("backend", KERNELS)
+def test_bf16_activations_keep_each_row_to_itself(tiny_model, backend):
+    """One pass (activations rounded to bf16, the default on a kernel): a prompt's greedy
+    tokens are the same alone, batched beside others and chunked (a token budget of 8),
+    as the kernel computes every row on its own."""
+    prompts = [[5, 6, 7], list(range(10, 40)), [9] * 17]
+    one_pass = LLM(tiny_model, weight_dtype="bf16", linear_backend=backend, **ENGINE)
+    assert one_pass.linear_activations == "bf16"
+    assert one_pass.runner.state["layers"]["q_proj"].get_value().passes == 1
+    batched = [o.token_ids for o in one_pass.generate(prompts, GREEDY)]
+    assert batched == [one_pass.generate([p], GREEDY)[0].token_ids for p in prompts]
+    chunked = LLM(tiny_model, weight_dtype="bf16", linear_backend=backend,
+                  **{**ENGINE, "token_budget": 8})
+    assert [o.token_ids for o in chunked.generate(prompts, GREEDY)] == batched
+
+
+def test_bf16_activations_need_a_kernel(tiny_model):
+    with pytest.raises(ValueError, match="needs a bf16 CPU kernel"):
+        LLM(tiny_model, weight_dtype="bf16", linear_backend="xla", linear_activations="bf16",
+            **ENGINE)
 
 
 def test_auto_serves_bf16_on_a_kernel_and_f32_elsewhere(tiny_model):
@@ -151,7 +187,7 @@ def test_auto_serves_bf16_on_a_kernel_and_f32_elsewhere(tiny_model):
     an explicit f32 stays f32."""
     auto = LLM(tiny_model, **ENGINE)
     kernel = linear.select("auto", "bfloat16", jnp.float32, True)
-    want = ("float32", "xla") if kernel == "xla" else ("bfloat16", kernel)
-    assert (auto.weight_dtype, auto.linear_backend) == want
+    want = ("float32", "xla", "float32") if kernel == "xla" else ("bfloat16", kernel, "bf16")
+    assert (auto.weight_dtype, auto.linear_backend, auto.linear_activations) == want
     f32 = LLM(tiny_model, weight_dtype="f32", **ENGINE)
     assert (f32.weight_dtype, f32.linear_backend) == ("float32", "xla")

@@ -246,9 +246,9 @@ def store_projections(model: nnx.Module, weight_dtype: str, mesh: Mesh | None = 
     return nnx.merge(graphdef, map_params(as_stored, state))
 
 
-def pack_projections(model: nnx.Module, backend: str) -> nnx.Module:
+def pack_projections(model: nnx.Module, backend: str, passes: int) -> nnx.Module:
     """`model` (on one device) with its float projections packed for `backend`'s kernel
-    (layers.PackedWeight, cpu_kernels.linear.KERNELS), rounded to bf16 as `pack` does
+    (layers.PackedWeight, cpu_kernels.linear.KERNELS) in `passes`, rounded to bf16 as `pack` does
     (an f32 model is packed straight, not stored as bf16 first), and its LM head packed
     too: the step's largest matmul. A tied head gains a packed copy of the embedding,
     which the lookup keeps reading."""
@@ -258,7 +258,7 @@ def pack_projections(model: nnx.Module, backend: str) -> nnx.Module:
     def packed(name: str, value):
         if (rules[name].projection and isinstance(value, jax.Array)
                 and value.dtype in (jnp.float32, jnp.bfloat16) and fits(*value.shape[-2:])):
-            return PackedWeight(jnp.asarray(pack(np.asarray(value))), backend)
+            return PackedWeight(jnp.asarray(pack(np.asarray(value))), backend, passes)
         return value
 
     model = nnx.merge(graphdef, map_params(packed, state))
@@ -268,7 +268,8 @@ def pack_projections(model: nnx.Module, backend: str) -> nnx.Module:
     elif hasattr(model, "embed"):  # tied
         head = model.embed.get_value().T
     if isinstance(head, jax.Array) and fits(*head.shape):
-        model.lm_head = nnx.Param(PackedWeight(jnp.asarray(pack(np.asarray(head))), backend))
+        packed = PackedWeight(jnp.asarray(pack(np.asarray(head))), backend, passes)
+        model.lm_head = nnx.Param(packed)
     return model
 
 

@@ -12,10 +12,14 @@
 // layer's weights in place rather than copying its slice first (XLA's copies of the
 // scan's weight slices were 40 % of an f32 decode step on a Zen 5).
 //
-// The activations are not rounded to bf16: each block of x is split into hi = bf16(x) and
-// lo = bf16(x - hi) and both are multiplied, so the result is x (to ~16 mantissa bits)
-// times the bf16 weight, as XLA's weight-only path computes it. A decode step is bound by
-// the weight bytes it streams, and the second product costs no extra weight traffic.
+// The activations are rounded to bf16 (`passes` 1: bf16 x times bf16 w, summed in f32, as
+// vLLM's and oneDNN's bf16 matmuls and a TPU's default precision compute it), or not
+// (`passes` 2): each block of x is split into hi = bf16(x) and lo = bf16(x - hi) and both
+// are multiplied, so the result is x (to ~16 mantissa bits) times the bf16 weight, as
+// XLA's weight-only path computes it. A decode step is bound by the weight bytes it
+// streams, where the second product costs no extra weight traffic; a prefill is bound by
+// the multiplies, where it doubles them (a 256-token SmolLM2 step on a Zen 5: 124 ms with
+// one pass, 197 with two).
 
 #include <immintrin.h>
 #include <sys/syscall.h>
@@ -76,8 +80,8 @@ AMX void ConfigureTiles() {
   _tile_loadconfig(&config);
 }
 
-// x [m, k] into bf16 hi and lo = bf16(x - hi), rows of `depth` (k rounded up to 32)
-// whose padding, like the rows past m, the caller has zeroed.
+// x [m, k] into bf16 hi and (unless `lo` is null) lo = bf16(x - hi), rows of `depth` (k
+// rounded up to 32) whose padding, like the rows past m, the caller has zeroed.
 AVX512_BF16 void Split(const float* x, int64_t m, int64_t k, int64_t depth, uint16_t* hi,
                        uint16_t* lo) {
   for (int64_t r = 0; r < m; ++r)
@@ -87,9 +91,10 @@ AVX512_BF16 void Split(const float* x, int64_t m, int64_t k, int64_t depth, uint
       const __m256bh h = _mm512_cvtneps_pbh(v);
       const __m512 back = _mm512_castsi512_ps(
           _mm512_slli_epi32(_mm512_cvtepu16_epi32(reinterpret_cast<__m256i>(h)), 16));
-      const __m256bh l = _mm512_cvtneps_pbh(_mm512_sub_ps(v, back));
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(hi + r * depth + c),
                           reinterpret_cast<__m256i>(h));
+      if (lo == nullptr) continue;
+      const __m256bh l = _mm512_cvtneps_pbh(_mm512_sub_ps(v, back));
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(lo + r * depth + c),
                           reinterpret_cast<__m256i>(l));
     }
@@ -97,7 +102,7 @@ AVX512_BF16 void Split(const float* x, int64_t m, int64_t k, int64_t depth, uint
 
 struct Problem {
   const uint16_t* x_hi;  // [m_blocks * 16, k_blocks * 32], zero-padded
-  const uint16_t* x_lo;
+  const uint16_t* x_lo;  // null: one pass, x rounded to bf16
   const uint16_t* w;     // this layer's [n_blocks, k_blocks, 16, 32]
   float* y;              // [m, n]
   int64_t m, n, m_blocks, n_blocks, k_blocks;
@@ -115,17 +120,17 @@ AMX void Columns(const Problem& p, int64_t b0, int64_t b1) {
       _tile_zero(0);
       _tile_zero(1);
       const uint16_t* hi = p.x_hi + mb * kRows * p.k_blocks * kDepth;
-      const uint16_t* lo = p.x_lo + mb * kRows * p.k_blocks * kDepth;
+      const uint16_t* lo = p.x_lo ? p.x_lo + mb * kRows * p.k_blocks * kDepth : nullptr;
       for (int64_t kb = 0; kb < p.k_blocks; ++kb) {
         _tile_loadd(2, hi + kb * kDepth, x_stride);
-        _tile_loadd(3, lo + kb * kDepth, x_stride);
+        if (p.x_lo) _tile_loadd(3, lo + kb * kDepth, x_stride);
         _tile_loadd(4, w0 + kb * kTile, 64);
         _tile_dpbf16ps(0, 2, 4);
-        _tile_dpbf16ps(0, 3, 4);
+        if (p.x_lo) _tile_dpbf16ps(0, 3, 4);
         if (pair) {
           _tile_loadd(5, w1 + kb * kTile, 64);
           _tile_dpbf16ps(1, 2, 5);
-          _tile_dpbf16ps(1, 3, 5);
+          if (p.x_lo) _tile_dpbf16ps(1, 3, 5);
         }
       }
       const int64_t rows = std::min(kRows, p.m - mb * kRows);
@@ -160,13 +165,14 @@ AMX int64_t DrainColumns(const Problem& p, std::atomic<int64_t>& next, int64_t i
 }
 
 // Rows [0, R) (of a kVecRows block whose rows past `rows` hold zeros) times column blocks
-// [b, b + C): acc[r][c] += x_hi[r] . w + x_lo[r] . w, one input pair at a time, each pair
-// of x broadcast to the 16 lanes that `vdpbf16ps` multiplies by a row of a tile.
-template <int R, int C>
+// [b, b + C): acc[r][c] += x_hi[r] . w (+ x_lo[r] . w with kLo), one input pair at a
+// time, each pair of x broadcast to the 16 lanes that `vdpbf16ps` multiplies by a row of
+// a tile.
+template <int R, int C, bool kLo>
 AVX512_BF16 void VecBlock(const Problem& p, int64_t row, int64_t b, int64_t rows) {
   const int64_t depth = p.k_blocks * kDepth;
   const uint16_t* hi = p.x_hi + row * depth;
-  const uint16_t* lo = p.x_lo + row * depth;
+  const uint16_t* lo = kLo ? p.x_lo + row * depth : nullptr;
   const uint16_t* w = p.w + b * p.k_blocks * kTile;
   __m512 acc[R][C];
   for (int r = 0; r < R; ++r)
@@ -179,13 +185,16 @@ AVX512_BF16 void VecBlock(const Problem& p, int64_t row, int64_t b, int64_t rows
             _mm512_loadu_si512(w + (c * p.k_blocks + kb) * kTile + pair * kDepth));
       const int64_t at = kb * kDepth + 2 * pair;
       for (int r = 0; r < R; ++r) {
-        int32_t h, l;
+        int32_t h;
         std::memcpy(&h, hi + r * depth + at, sizeof h);
-        std::memcpy(&l, lo + r * depth + at, sizeof l);
         const __m512bh xh = reinterpret_cast<__m512bh>(_mm512_set1_epi32(h));
-        const __m512bh xl = reinterpret_cast<__m512bh>(_mm512_set1_epi32(l));
         for (int c = 0; c < C; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], xh, wv[c]);
-        for (int c = 0; c < C; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], xl, wv[c]);
+        if constexpr (kLo) {
+          int32_t l;
+          std::memcpy(&l, lo + r * depth + at, sizeof l);
+          const __m512bh xl = reinterpret_cast<__m512bh>(_mm512_set1_epi32(l));
+          for (int c = 0; c < C; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], xl, wv[c]);
+        }
       }
     }
   for (int64_t r = 0; r < std::min<int64_t>(R, rows); ++r)
@@ -196,15 +205,16 @@ AVX512_BF16 void VecBlock(const Problem& p, int64_t row, int64_t b, int64_t rows
 // Output columns [16 * b0, 16 * b1) for every row, on AVX512-BF16. A lone last row takes
 // a one-row block (a decode of one sequence computes no padding rows); a last column
 // block short of kVecBlocks takes one block at a time.
+template <bool kLo>
 AVX512_BF16 void VecColumns(const Problem& p, int64_t b0, int64_t b1) {
   for (int64_t row = 0; row < p.m; row += kVecRows) {
     const int64_t rows = p.m - row;
     for (int64_t b = b0; b < b1;) {
       const bool whole = b1 - b >= kVecBlocks;
-      if (whole && rows == 1) VecBlock<1, kVecBlocks>(p, row, b, rows);
-      else if (whole) VecBlock<kVecRows, kVecBlocks>(p, row, b, rows);
-      else if (rows == 1) VecBlock<1, 1>(p, row, b, rows);
-      else VecBlock<kVecRows, 1>(p, row, b, rows);
+      if (whole && rows == 1) VecBlock<1, kVecBlocks, kLo>(p, row, b, rows);
+      else if (whole) VecBlock<kVecRows, kVecBlocks, kLo>(p, row, b, rows);
+      else if (rows == 1) VecBlock<1, 1, kLo>(p, row, b, rows);
+      else VecBlock<kVecRows, 1, kLo>(p, row, b, rows);
       b += whole ? kVecBlocks : 1;
     }
   }
@@ -214,7 +224,7 @@ enum class Isa { kAmx, kAvx512Bf16 };
 
 template <Isa isa>
 ffi::Error Linear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U16> w,
-                  ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> y) {
+                  ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> y, int32_t passes) {
   const auto xd = x.dimensions(), wd = w.dimensions();
   if (xd.size() != 2 || wd.size() != 5 || wd[3] != kRows || wd[4] != kDepth)
     return ffi::Error::InvalidArgument(
@@ -224,13 +234,16 @@ ffi::Error Linear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi
     return ffi::Error::InvalidArgument("packed linear: x's inputs do not match w's");
   const int64_t l = layer.typed_data()[0];
   if (l < 0 || l >= wd[0]) return ffi::Error::InvalidArgument("packed linear: layer out of range");
+  if (passes != 1 && passes != 2)
+    return ffi::Error::InvalidArgument("packed linear: passes must be 1 or 2");
   if (isa == Isa::kAmx && !RequestAmx())
     return ffi::Error::Internal("amx linear: the kernel refused AMX's tile state");
   if (m == 0) return ffi::Error::Success();
   const int64_t m_blocks = (m + kRows - 1) / kRows, depth = k_blocks * kDepth;
-  std::vector<uint16_t> hi(m_blocks * kRows * depth, 0), lo(hi.size(), 0);
-  Split(x.typed_data(), m, k, depth, hi.data(), lo.data());
-  const Problem p{hi.data(), lo.data(), w.typed_data() + l * n_blocks * k_blocks * kTile,
+  std::vector<uint16_t> hi(m_blocks * kRows * depth, 0), lo(passes == 2 ? hi.size() : 0, 0);
+  uint16_t* x_lo = passes == 2 ? lo.data() : nullptr;
+  Split(x.typed_data(), m, k, depth, hi.data(), x_lo);
+  const Problem p{hi.data(), x_lo, w.typed_data() + l * n_blocks * k_blocks * kTile,
                   y->typed_data(), m, n_blocks * kCols, m_blocks, n_blocks, k_blocks};
   if constexpr (isa == Isa::kAmx) {
     const int64_t items = (n_blocks + kItemBlocks - 1) / kItemBlocks;
@@ -241,8 +254,11 @@ ffi::Error Linear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi
     const int64_t items = (n_blocks + kVecBlocks - 1) / kVecBlocks;
     jaxserve::RunOnPool(pool, items, [p](std::atomic<int64_t>& next, int64_t total) {
       int64_t finished = 0;
-      for (int64_t i = next.fetch_add(1); i < total; i = next.fetch_add(1), ++finished)
-        VecColumns(p, i * kVecBlocks, std::min(p.n_blocks, (i + 1) * kVecBlocks));
+      for (int64_t i = next.fetch_add(1); i < total; i = next.fetch_add(1), ++finished) {
+        const int64_t b0 = i * kVecBlocks, b1 = std::min(p.n_blocks, b0 + kVecBlocks);
+        if (p.x_lo) VecColumns<true>(p, b0, b1);
+        else VecColumns<false>(p, b0, b1);
+      }
       return finished;
     });
   }
@@ -257,7 +273,8 @@ ffi::Error Linear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi
       .Arg<ffi::Buffer<ffi::F32>>() /* x */        \
       .Arg<ffi::Buffer<ffi::U16>>() /* w, packed */ \
       .Arg<ffi::Buffer<ffi::S32>>() /* layer */    \
-      .Ret<ffi::Buffer<ffi::F32>>() /* y */
+      .Ret<ffi::Buffer<ffi::F32>>() /* y */        \
+      .Attr<int32_t>("passes") /* 1: x in bf16; 2: hi + lo */
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveAmxLinear, Linear<Isa::kAmx>, JAXSERVE_LINEAR_BINDING);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveAvx512Bf16Linear, Linear<Isa::kAvx512Bf16>,

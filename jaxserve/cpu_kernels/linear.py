@@ -5,9 +5,9 @@ XLA:CPU converts a bf16 weight to f32 before every dot, so `--weight-dtype bf16`
 half the bytes and still ran 2.3x slower than f32. On a CPU with Intel AMX (Sapphire
 Rapids and later) or AVX512-BF16 (AMD Zen 4 and later) the weight is instead packed once,
 at load, into the tiles that AMX multiplies (`pack`; a tile's row is also the operand of
-AVX512-BF16's `vdpbf16ps`), and `packed_linear` multiplies f32 activations by it to f32
-precision of x (x is split into two bf16 parts; see linear.cc). Its reference is
-`x @ unpack(w)` in f32.
+AVX512-BF16's `vdpbf16ps`), and `packed_linear` multiplies f32 activations by it: rounded
+to bf16 (`passes` 1; reference `bf16(x) @ unpack(w)`), or to f32 precision of x (2: x is
+split into two bf16 parts; reference `x @ unpack(w)`; see linear.cc).
 """
 
 import ctypes
@@ -115,9 +115,10 @@ def unpack(packed: np.ndarray, in_features: int) -> np.ndarray:
 
 
 def packed_linear(x: jax.Array, packed: jax.Array, layer: jax.Array | int | None = None,
-                  backend: str = "amx") -> jax.Array:
+                  backend: str = "amx", passes: int = 2) -> jax.Array:
     """x [..., in] (f32) @ the packed weight (one [n/16, k/32, 16, 32], or a stack of them
-    with the `layer` to use) → f32 [..., out], on `backend`'s kernel (a key of KERNELS)."""
+    with the `layer` to use) → f32 [..., out], on `backend`'s kernel (a key of KERNELS),
+    with x rounded to bf16 (`passes` 1) or not (2)."""
     if x.dtype != jnp.float32:
         raise ValueError(f"the {backend} kernel takes f32 activations, got {x.dtype}")
     if packed.dtype != jnp.uint16 or packed.ndim not in (4, 5) or packed.shape[-2:] != (
@@ -130,10 +131,13 @@ def packed_linear(x: jax.Array, packed: jax.Array, layer: jax.Array | int | None
     k = x.shape[-1]
     if not (packed.shape[2] - 1) * DEPTH < k <= packed.shape[2] * DEPTH:
         raise ValueError(f"x has {k} inputs; the weight takes {packed.shape[2] * DEPTH} (padded)")
+    if passes not in (1, 2):
+        raise ValueError(f"passes must be 1 (x in bf16) or 2 (x in f32), got {passes}")
     if not available(backend):
         raise RuntimeError(f"the {backend} bf16 kernel is unavailable here (see the log)")
     n = packed.shape[1] * 16
     flat = x.reshape(-1, k)
     call = jax.ffi.ffi_call(KERNELS[backend][0],
                             jax.ShapeDtypeStruct((flat.shape[0], n), jnp.float32))
-    return call(flat, packed, jnp.asarray(layer, jnp.int32)).reshape(*x.shape[:-1], n)
+    y = call(flat, packed, jnp.asarray(layer, jnp.int32), passes=np.int32(passes))
+    return y.reshape(*x.shape[:-1], n)

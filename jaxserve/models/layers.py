@@ -38,20 +38,21 @@ class QuantizedWeight:
 @dataclass(frozen=True, slots=True)
 class PackedWeight:
     """A bf16 weight packed into AMX tiles (cpu_kernels/linear.py's `pack`) for the kernel
-    `backend` names: one weight, or a stack of layers and, inside `scan_layers`, the layer
-    to read. The stack is not sliced per layer, as a scan slices its inputs, because XLA
-    copies such a slice before using it: a third more memory traffic than the matmul's
-    own."""
+    `backend` names, which rounds the activations to bf16 (`passes` 1) or not (2): one
+    weight, or a stack of layers and, inside `scan_layers`, the layer to read. The stack is
+    not sliced per layer, as a scan slices its inputs, because XLA copies such a slice
+    before using it: a third more memory traffic than the matmul's own."""
 
     values: jax.Array  # u16[..., out/16, in/32, 16, 32]
     backend: str = field(metadata={"static": True})  # a key of cpu_kernels.linear.KERNELS
+    passes: int = field(metadata={"static": True})  # 1: activations in bf16; 2: in f32
     layer: jax.Array | None = None  # i32[]
 
 
 def linear(x: jax.Array, w: jax.Array | QuantizedWeight | PackedWeight) -> jax.Array:
     """x @ w for x [..., in] and a weight [in, out] in any storage, in x's dtype."""
     if isinstance(w, PackedWeight):
-        return packed_linear(x.astype(jnp.float32), w.values, w.layer, w.backend
+        return packed_linear(x.astype(jnp.float32), w.values, w.layer, w.backend, w.passes
                              ).astype(x.dtype)
     if isinstance(w, QuantizedWeight):
         return (x @ w.values.astype(x.dtype)) * w.scale.astype(x.dtype)
@@ -67,7 +68,7 @@ def scan_layers(body, carry, weights: dict):
 
     def step(carry, xs):
         i, layer = xs
-        at_layer = {n: PackedWeight(w.values, w.backend, i) for n, w in packed.items()}
+        at_layer = {n: PackedWeight(w.values, w.backend, w.passes, i) for n, w in packed.items()}
         return body(carry, {**layer, **at_layer})
 
     return jax.lax.scan(step, carry, (jnp.arange(num_layers, dtype=jnp.int32), sliced))
