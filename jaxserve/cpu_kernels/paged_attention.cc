@@ -194,6 +194,40 @@ inline __m512 SumEach(__m512 v[16]) {
   return _mm512_permutexvar_ps(order, z);
 }
 
+// Queries whose outputs AddValues keeps in registers: up to 16 vectors of accumulators
+// (4 queries of 64 values, 2 of 128), and at most 4.
+template <int64_t D>
+constexpr int64_t kValueQueries = std::clamp<int64_t>(16 / (D / 16), 1, 4);
+
+// acc[qi] += sum over the page's keys j < valid[qi] of e[qi][j] * v[j], for NB queries at
+// once: their outputs stay in registers across the 16 keys, and each V row is loaded once
+// for all of them. (Walking the keys outside the queries instead loaded and stored every
+// output vector once a key: the stores bounded the loop.) A key a query does not see is
+// masked out of its sum, not multiplied by a zero weight, so a stale slot's NaN stays out.
+template <typename Row, int64_t D, int64_t NB>
+inline void AddValues(const Row* __restrict v, const float (*e)[16], const int64_t* valid,
+                      float* __restrict acc) {
+  constexpr int64_t C = D / 16;
+  __m512 out[NB][C];
+  int64_t keys = 0;
+  for (int64_t b = 0; b < NB; ++b) {
+    keys = std::max(keys, valid[b]);
+    for (int64_t c = 0; c < C; ++c) out[b][c] = _mm512_loadu_ps(acc + b * D + 16 * c);
+  }
+  for (int64_t j = 0; j < keys; ++j) {
+    __m512 vr[C];
+    for (int64_t c = 0; c < C; ++c) vr[c] = LoadRow(v + j * D + 16 * c);
+    for (int64_t b = 0; b < NB; ++b) {
+      const __mmask16 sees = j < valid[b] ? 0xffff : 0;
+      const __m512 p = _mm512_set1_ps(e[b][j]);
+      for (int64_t c = 0; c < C; ++c)
+        out[b][c] = _mm512_mask3_fmadd_ps(p, vr[c], out[b][c], sees);
+    }
+  }
+  for (int64_t b = 0; b < NB; ++b)
+    for (int64_t c = 0; c < C; ++c) _mm512_storeu_ps(acc + b * D + 16 * c, out[b][c]);
+}
+
 // valid[qi]: the keys of this page query qi sees (0: none); q is scaled already.
 template <typename Row, int64_t D>
 void AttendPage(const Row* __restrict k, const Row* __restrict v, int64_t n,
@@ -201,7 +235,7 @@ void AttendPage(const Row* __restrict k, const Row* __restrict v, int64_t n,
                 float* __restrict l, float* __restrict acc) {
   static_assert(D % 16 == 0);
   constexpr int64_t C = D / 16;  // vectors a row
-  alignas(64) float e[kPageQueries][16];
+  alignas(64) float e[kPageQueries][16] = {};  // a query that sees no key keeps zeros
   __m512 part[16];
   for (int64_t qi = 0; qi < n; ++qi) {
     if (!valid[qi]) continue;
@@ -230,16 +264,13 @@ void AttendPage(const Row* __restrict k, const Row* __restrict v, int64_t n,
     for (int64_t c = 0; c < C; ++c)
       _mm512_storeu_ps(acc + qi * D + 16 * c, _mm512_mul_ps(_mm512_loadu_ps(acc + qi * D + 16 * c), corr));
   }
-  for (int64_t j = 0; j < 16; ++j) {
-    __m512 vr[C];
-    for (int64_t c = 0; c < C; ++c) vr[c] = LoadRow(v + j * D + 16 * c);
-    for (int64_t qi = 0; qi < n; ++qi) {
-      if (j >= valid[qi]) continue;
-      const __m512 p = _mm512_set1_ps(e[qi][j]);
-      for (int64_t c = 0; c < C; ++c) {
-        float* a = acc + qi * D + 16 * c;
-        _mm512_storeu_ps(a, _mm512_fmadd_ps(p, vr[c], _mm512_loadu_ps(a)));
-      }
+  for (int64_t q0 = 0; q0 < n; q0 += kValueQueries<D>) {
+    float* out = acc + q0 * D;
+    switch (std::min(kValueQueries<D>, n - q0)) {
+      case 4: AddValues<Row, D, 4>(v, e + q0, valid + q0, out); break;
+      case 3: AddValues<Row, D, 3>(v, e + q0, valid + q0, out); break;
+      case 2: AddValues<Row, D, 2>(v, e + q0, valid + q0, out); break;
+      default: AddValues<Row, D, 1>(v, e + q0, valid + q0, out);
     }
   }
 }
