@@ -81,19 +81,18 @@ class LLM:
         self.linear_backend = linear.select(cfg.linear_backend,
                                             "bfloat16" if to_bf16 else stored, self.dtype,
                                             self.mesh is None)
-        # what the kernel multiplies the bf16 weights by (XLA: x as it is)
-        self.linear_activations = cfg.linear_activations
-        if self.linear_backend == "xla" and self.linear_activations == "bf16":
-            raise ValueError("--linear-activations bf16 needs a bf16 CPU kernel "
-                             "(--linear-backend amx or avx512_bf16); XLA keeps them as they are")
+        # what the projections multiply the weights by: XLA, x as it is; a kernel, x
+        # rounded to bf16 (one pass, auto) or kept in f32 (two)
         if self.linear_backend == "xla":
+            if cfg.linear_activations == "bf16":
+                raise ValueError("--linear-activations bf16 needs a bf16 CPU kernel (--linear-"
+                                 "backend amx or avx512_bf16); XLA keeps them as they are")
             self.linear_activations = self.dtype.name
-        elif self.linear_activations == "auto":
-            self.linear_activations = "bf16"
-        if self.linear_backend != "xla":
-            stored = "bfloat16"
+        else:
+            self.linear_activations = "f32" if cfg.linear_activations == "f32" else "bf16"
             passes = 1 if self.linear_activations == "bf16" else 2
             module = pack_projections(module, self.linear_backend, passes)  # f32 -> bf16
+            stored = "bfloat16"
         self.weight_dtype = stored
         # auto: pages in the serving dtype (f16 only there: --dtype float16)
         self.kv_dtype = storage_name(self.dtype) if cfg.kv_dtype == "auto" else cfg.kv_dtype

@@ -248,10 +248,11 @@ def store_projections(model: nnx.Module, weight_dtype: str, mesh: Mesh | None = 
 
 def pack_projections(model: nnx.Module, backend: str, passes: int) -> nnx.Module:
     """`model` (on one device) with its float projections packed for `backend`'s kernel
-    (layers.PackedWeight, cpu_kernels.linear.KERNELS) in `passes`, rounded to bf16 as `pack` does
-    (an f32 model is packed straight, not stored as bf16 first), and its LM head packed
-    too: the step's largest matmul. A tied head gains a packed copy of the embedding,
-    which the lookup keeps reading."""
+    (layers.PackedWeight, cpu_kernels.linear.KERNELS), which multiplies them in `passes`
+    (1: activations rounded to bf16; 2: kept in f32). They are rounded to bf16 as `pack`
+    does (an f32 model is packed straight, not stored as bf16 first), and the LM head is
+    packed too: the step's largest matmul. A tied head gains a packed copy of the
+    embedding, which the lookup keeps reading."""
     graphdef, state = nnx.split(model)
     rules = get_model_spec(model.config.architecture).weight_map(model.config)
 

@@ -40,6 +40,17 @@ def fits(in_features: int, out_features: int) -> bool:
 
 
 @functools.cache
+def _library() -> ctypes.CDLL | None:
+    """linear.cc, built (or found) and loaded once for every kernel in it; None (logged)
+    where it cannot be built."""
+    try:
+        return ctypes.cdll.LoadLibrary(str(build("linear")))
+    except (KernelUnavailable, OSError) as e:
+        log.warning("the bf16 CPU kernels are unavailable, bf16 weights go through XLA: %s", e)
+        return None
+
+
+@functools.cache
 def available(backend: str) -> bool:
     """This CPU runs `backend` (a key of KERNELS) and its kernel builds and registers;
     False (logged once) if not."""
@@ -48,11 +59,8 @@ def available(backend: str) -> bool:
     if missing:
         log.info("no %s kernel for bf16 weights: the CPU lacks %s", backend, ", ".join(missing))
         return False
-    try:
-        library = ctypes.cdll.LoadLibrary(str(build("linear")))
-    except (KernelUnavailable, OSError) as e:
-        log.warning("the %s bf16 kernel is unavailable, bf16 weights go through XLA: %s",
-                    backend, e)
+    library = _library()
+    if library is None:
         return False
     jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(library, symbol)),
                                 platform="cpu")
