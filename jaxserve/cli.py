@@ -281,8 +281,11 @@ def _connection_limits(args: argparse.Namespace):
 
 
 def _serve(args: argparse.Namespace) -> int:
+    from server import heap
     from server.admission import QueuePolicy
     from server.app import ServerConfig, run
+
+    heap.limit_arenas()  # before the engine's and XLA's threads start (heap.py)
 
     if args.num_processes > 1:
         from jaxserve.device import multihost

@@ -94,15 +94,11 @@ def test_checks_pass_and_fail_on_their_limits():
     assert bad["rss"]["mib_per_min"] == pytest.approx(3.0)
 
 
-# Out of the default run (`-m soak` runs it): at 5 minutes its RSS check still fails on
-# this machine. The TTFT check now holds (a dedicated probe, ~2,600 samples a third,
-# bursts left out: late ÷ early 1.00 and 1.19, where the old statistic gave 0.11-1.93),
-# but the RSS floor rose 700 -> 742 MiB in one run (11 MiB/min) and 654 -> 663 in another
-# (2.9) with MALLOC_ARENA_MAX=2. It is not a leak per request: 3,000-12,000 requests of
-# each kind (streamed and whole completions and chats, bad JSON, a negative max_tokens,
-# disconnects) move RSS < 3 MiB, and a 20,000-word prompt lifts it 18 MiB once; the
-# allocator's high-water marks keep rising for minutes. The 60-minute run
-# (bench/results/soak.md) is where the checks hold.
+# In the default run since the server keeps glibc to two malloc arenas (server/heap.py):
+# with one per allocating thread the RSS floor rose 1.6-11 MiB a minute at this length
+# (not a leak per request: 3,000-12,000 requests of each kind moved RSS < 3 MiB, and
+# tracemalloc saw no Python object growing); with two it fell, -4.7 MiB/min. TTFT p99
+# late ÷ early measured 0.80-1.19 over the runs.
 @pytest.mark.slow
 @pytest.mark.soak
 def test_five_minutes_of_mixed_load_leave_nothing_behind(tiny_model, tmp_path):
