@@ -1,6 +1,6 @@
 """Open-loop load generator for any OpenAI-compatible server (jaxserve, llama.cpp, vLLM).
 
-    .venv/bin/python bench/serve.py --base-url http://127.0.0.1:8000 [--model NAME]
+    .venv/bin/python bench/serve.py --base-url http://127.0.0.1:8000 [--model NAME[,NAME...]]
         [--rate 4 | --concurrency 8] [--requests 200] [--duration 60]
         [--prompt-tokens 256 | 128:512] [--output-tokens 128 | 32:256]
         [--shared-prefix-tokens 0] [--ttft-slo-ms 1000] [--tpot-slo-ms 100]
@@ -15,7 +15,8 @@ first; requests in flight then run to their end.
 Prompts: words drawn at random from a list of common English words that are each one token
 in Llama/SmolLM2-style BPE vocabularies, so a prompt of n words is about n tokens. A length
 is `N` (every request N) or `MIN:MAX` (uniform). `--shared-prefix-tokens P` makes the first
-P of each prompt's tokens the same for every request. Requests are streaming
+P of each prompt's tokens the same for every request. Several model names (a base model
+and its LoRA adapters) are taken in turn, request by request. Requests are streaming
 /v1/completions with temperature 0, `ignore_eos` and `min_tokens` = max_tokens, so outputs
 run to max_tokens on servers that honour either (`--no-ignore-eos`: send neither).
 
@@ -200,6 +201,7 @@ async def _drive(
     connector = aiohttp.TCPConnector(limit=0)  # open loop: never queue on the client side
     async with aiohttp.ClientSession(headers=headers, timeout=timeout, connector=connector) as s:
         model = model or await _first_model(s, base_url)
+        names = itertools.cycle(model.split(","))  # several: one request each in turn
         url = base_url + "/v1/completions"
         arrivals = random.Random(workload.seed + 1)
         slots = asyncio.Semaphore(workload.concurrency) if workload.concurrency else None
@@ -233,7 +235,7 @@ async def _drive(
                     slots.release()
                 break
             body = {
-                "model": model,
+                "model": next(names),
                 "prompt": prompt,
                 "max_tokens": max_tokens,
                 "temperature": 0.0,
@@ -444,7 +446,8 @@ def print_report(report: dict) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--base-url", default="http://127.0.0.1:8000")
-    parser.add_argument("--model", help="default: the first of /v1/models")
+    parser.add_argument("--model", help="NAME or NAME,NAME,... (taken in turn); default: the "
+                        "first of /v1/models")
     parser.add_argument("--api-key")
     parser.add_argument("--rate", type=float, default=math.inf, help="requests/s (default: burst)")
     parser.add_argument("--concurrency", type=int, help="cap on requests in flight")

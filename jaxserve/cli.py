@@ -64,7 +64,8 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--api-key", help="require this bearer key (also the admin key)")
-    serve.add_argument("--api-keys-file", help="JSON: key -> {tenant, priority, limits, admin}")
+    serve.add_argument("--api-keys-file",
+                       help="JSON: key -> {tenant, priority, limits, admin, adapters}")
     serve.add_argument("--max-queue", type=int, help="fixed bound on queued requests")
     serve.add_argument(
         "--queue-wait-budget-ms",
@@ -103,6 +104,11 @@ def main(argv: list[str] | None = None) -> int:
         "--shared-prefix-cache",
         action="store_true",
         help="one prefix cache for all tenants (default with API keys: one per tenant)",
+    )
+    serve.add_argument(
+        "--enable-runtime-lora", action="store_true",
+        help="serve LoRA adapters loaded at run time: POST /v1/load_lora_adapter and "
+        "/v1/unload_lora_adapter (an admin key when keys are configured)",
     )
     hosts = serve.add_argument_group("multi-host (every process runs the same command)")
     hosts.add_argument("--coordinator", help="HOST:PORT of process 0's coordination service")
@@ -225,6 +231,22 @@ def _engine_flags(parser: argparse.ArgumentParser) -> None:
         "--dp", type=int, default=DEFAULTS["dp"],
         help="data shards of the batch (mesh 'data'); batch, pages and budget are per shard",
     )
+    lora = parser.add_argument_group("LoRA adapters")
+    lora.add_argument(
+        "--lora", action="append", type=_named_path, default=[], metavar="NAME=PATH",
+        help="serve the PEFT adapter directory PATH as the model NAME (repeatable)",
+    )
+    lora.add_argument("--max-loras", type=int, default=DEFAULTS["max_loras"],
+                      help="device slots for adapters; the others wait in host memory")
+    lora.add_argument("--max-lora-rank", type=int, default=DEFAULTS["max_lora_rank"],
+                      help="the highest adapter rank served (every slot is this wide)")
+
+
+def _named_path(spec: str) -> tuple[str, str]:
+    name, sep, path = spec.partition("=")
+    if not sep or not name or not path:
+        raise argparse.ArgumentTypeError(f"expected NAME=PATH, got {spec!r}")
+    return name, path
 
 
 BYTE_UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
@@ -271,6 +293,10 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
                                                    args.buckets.row_sizes),
         tp=args.tp,
         dp=args.dp,
+        lora=tuple(args.lora),
+        enable_lora=getattr(args, "enable_runtime_lora", False),
+        max_loras=args.max_loras,
+        max_lora_rank=args.max_lora_rank,
     )
 
 
@@ -318,6 +344,7 @@ def _serve(args: argparse.Namespace) -> int:
             default_chat_max_tokens=args.default_max_tokens,
             heap_trim_interval_s=args.heap_trim_interval_s,
             shared_prefix_cache=args.shared_prefix_cache,
+            runtime_lora=args.enable_runtime_lora,
             engine=_engine_config(args),
         )
     )

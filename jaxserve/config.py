@@ -178,8 +178,24 @@ class EngineConfig:
     buckets: tuple[tuple[int, ...], tuple[int, ...]] | None = None
     tp: int = 1  # tensor parallelism: devices on the mesh's "model" axis
     dp: int = 1  # data parallelism: shards of the batch on the mesh's "data" axis
+    # LoRA adapters (PEFT directories) served from the start, as (name, path) pairs or a
+    # {name: path} dict
+    lora: tuple[tuple[str, str], ...] = ()
+    # serve adapters even with none at the start (they are loaded at run time)
+    enable_lora: bool = False
+    max_loras: int = 4  # device slots for adapters; more wait in host memory
+    max_lora_rank: int = 16  # the highest rank an adapter may have (slots are this wide)
+
+    @property
+    def serves_adapters(self) -> bool:
+        return self.enable_lora or bool(self.lora)
 
     def __post_init__(self) -> None:
+        if self.max_loras < 1 or self.max_lora_rank < 1:
+            raise ValueError(f"max_loras ({self.max_loras}) and max_lora_rank "
+                             f"({self.max_lora_rank}) must be at least 1")
+        lora = self.lora.items() if isinstance(self.lora, dict) else self.lora
+        object.__setattr__(self, "lora", tuple((str(n), str(p)) for n, p in lora))
         if self.page_size < 1 or self.num_pages < 2:
             raise ValueError("page_size must be >= 1 and num_pages >= 2")
         if self.tp < 1 or self.dp < 1:

@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxserve.checkpoint.adapter import Adapter
 from jaxserve.checkpoint.default_model import default_model_path
 from jaxserve.checkpoint.loader import load
 from jaxserve.checkpoint.weights import pack_projections
@@ -20,6 +21,7 @@ from jaxserve.cpu_kernels import linear
 from jaxserve.device.kv_cache import storage_name
 from jaxserve.device.runner import ModelRunner, WarmupProgress, enable_compilation_cache
 from jaxserve.device.sharding import make_mesh
+from jaxserve.host.adapters import AdapterRegistry, SlotTable
 from jaxserve.host.buckets import BucketTable
 from jaxserve.host.engine import Engine
 from jaxserve.host.page_allocator import PageAllocator
@@ -127,7 +129,14 @@ class LLM:
             self.dtype,
             self.mesh,
             self.kv_dtype,
+            (cfg.max_loras, cfg.max_lora_rank) if cfg.serves_adapters else None,
         )
+        # LoRA adapters, read before the warm-up so that a bad one fails the start at once
+        self.adapters = None
+        if cfg.serves_adapters:
+            self.adapters = AdapterRegistry(self.config, cfg.max_lora_rank)
+            for name, path in cfg.lora:
+                self.adapters.load(name, path)
         max_batch = cfg.max_batch
         if cfg.tpot_slo_ms is not None and not warmup:
             raise ValueError(
@@ -152,6 +161,7 @@ class LLM:
             cfg.token_budget,
             cfg.prefix_caching,
             max(1, max_batch // 8) if cfg.reserved_rows is None else cfg.reserved_rows,
+            SlotTable(cfg.max_loras) if cfg.serves_adapters else None,
         )
         eos = self.config.eos_token_ids or self.tokenizer.eos_token_ids
         self.engine = Engine(
@@ -179,14 +189,26 @@ class LLM:
         check_prompt_ids(ids, self.config.vocab_size)
         return ids
 
+    def adapter(self, name: str | None) -> Adapter | None:
+        """The served LoRA adapter called `name` (None: the base model); KeyError if none."""
+        if name is None:
+            return None
+        adapter = self.adapters and self.adapters.get(name)
+        if adapter is None:
+            raise KeyError(f"no LoRA adapter named {name!r} is loaded")
+        return adapter
+
     def generate(
         self,
         prompts: str | Sequence[int] | Sequence[str | Sequence[int]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        adapter: str | Sequence[str | None] | None = None,
     ) -> list[CompletionOutput]:
         """Complete each prompt (a string or a list of token ids), batched continuously.
 
-        `sampling_params` is one SamplingParams for all prompts or one per prompt.
+        `sampling_params` is one SamplingParams for all prompts or one per prompt;
+        `adapter` the name of a LoRA adapter (`lora=`) for all of them, or one per prompt
+        (None: the base model).
         """
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
@@ -195,8 +217,13 @@ class LLM:
             params = [params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
+        names = [adapter] * len(prompts) if adapter is None or isinstance(adapter, str) else adapter
+        if len(names) != len(prompts):
+            raise ValueError(f"{len(names)} adapters for {len(prompts)} prompts")
+        adapters = [self.adapter(name) for name in names]
         encoded = [self.encode(p) for p in prompts]
-        streams = [self.engine.submit(ids, p) for ids, p in zip(encoded, params)]
+        streams = [self.engine.submit(ids, p, adapter=a)
+                   for ids, p, a in zip(encoded, params, adapters)]
         token_ids: list[list[int]] = [[] for _ in prompts]
         texts: list[list[str]] = [[] for _ in prompts]
         reasons: list[str | None] = [None] * len(prompts)

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from jaxserve.checkpoint.adapter import Adapter
 from jaxserve.checkpoint.tokenizer import Tokenizer
 from jaxserve.config import SamplingParams
 from jaxserve.host.engine import EngineFailed, LiveRequest
@@ -57,6 +58,9 @@ class EngineStats:
     requests_admitted: int  # taken in by the engine
     requests_finished: dict[str, int]  # ended by the engine, by finish reason
     output_streams: int  # requests' output buffers still allocated (any left once idle leaked)
+    adapters_loaded: int = 0  # LoRA adapters served (in host memory)
+    adapter_slots_used: int = 0  # device slots holding one
+    adapter_swaps: int = 0  # adapters written into a device slot
 
 
 class EngineClient:
@@ -135,16 +139,41 @@ class EngineClient:
         loop: asyncio.AbstractEventLoop,
         lazy: bool,
         cache_salt: str = "",
+        adapter: Adapter | None = None,
     ) -> OutputStream:
         stream = self._engine.submit(
             prompt_ids, params, tenant=tenant, priority=priority, loop=loop, lazy=lazy,
-            cache_salt=cache_salt,
+            cache_salt=cache_salt, adapter=adapter,
         )
         self._streams.add(stream)
         return stream
 
     def cancel(self, request_id: str) -> None:
         self._engine.cancel(request_id)
+
+    # ---------------------------------------------------------------- LoRA adapters
+
+    @property
+    def serves_adapters(self) -> bool:
+        return self._llm.adapters is not None
+
+    def adapters(self) -> list[Adapter]:
+        """The LoRA adapters served, by name."""
+        registry = self._llm.adapters
+        return [] if registry is None else sorted(registry.adapters.values(),
+                                                  key=lambda a: a.name)
+
+    def adapter(self, name: str) -> Adapter | None:
+        """The served adapter called `name`, or None."""
+        return None if self._llm.adapters is None else self._llm.adapters.get(name)
+
+    def load_adapter(self, name: str, path: str) -> Adapter:
+        """Read and serve an adapter (blocking: disk); AdapterError if it cannot be."""
+        return self._llm.adapters.load(name, path)
+
+    def unload_adapter(self, name: str) -> None:
+        """Stop serving `name` (KeyError if it is not served)."""
+        self._llm.adapters.unload(name)
 
     def cancel_all(self) -> None:
         for request_id in list(self._engine.requests):
@@ -196,6 +225,9 @@ class EngineClient:
             self._engine.num_admitted,
             dict(self._engine.num_finished),  # one C-level copy: safe beside the engine thread
             len(self._streams),
+            len(self.adapters()),
+            0 if s.adapter_slots is None else len(s.adapter_slots.holder),
+            0 if s.adapter_slots is None else s.adapter_slots.swaps,
         )
 
     # ---------------------------------------------------------------- thread

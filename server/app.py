@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 from aiohttp import web
 
+from jaxserve.checkpoint.adapter import Adapter, AdapterError
 from jaxserve.config import EngineConfig, SamplingParams
 from jaxserve.host.request import RequestRejected
 from jaxserve.serving import EngineClient, EngineFailed
@@ -26,7 +27,14 @@ from server import openai_format as fmt
 from server.admission import QueuePolicy
 from server.connections import ConnectionLimits, Site, read_body_within
 from server.metrics import Metrics
-from server.protocol import APIError, ChatCompletionRequest, CompletionRequest, decode
+from server.protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    LoadAdapterRequest,
+    UnloadAdapterRequest,
+    decode,
+)
 from server.responses import Choice, Responder, json_response, log_request
 from server.tenants import TenantPolicy, Tenants
 
@@ -53,6 +61,8 @@ class ServerConfig:
     default_chat_max_tokens: int = 256  # OpenAI's completions default (16) is kept as is
     heap_trim_interval_s: float = 10.0  # return free heap pages to the OS (heap.py); 0: never
     shared_prefix_cache: bool = False  # with API keys, each tenant has its own prefix cache
+    # POST /v1/load_lora_adapter and /v1/unload_lora_adapter (admins only, with keys)
+    runtime_lora: bool = False
     engine: EngineConfig = field(default_factory=EngineConfig)
 
 
@@ -141,11 +151,19 @@ class Server:
         if not self.ready:
             raise APIError(503, "model is still loading", code="not_ready")
 
-    def _check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
+    def _adapter_for(self, model: str | None, policy: TenantPolicy) -> Adapter | None:
+        """The LoRA adapter a request's `model` names (None: the base model); 404 for a
+        model that is not served, or an adapter the tenant may not use (as OpenAI answers
+        for a model one has no access to)."""
+        if model is None or model == self.model_name:
+            return None
+        adapter = self.client.adapter(model)
+        if adapter is None or not policy.may_use(model):
             raise APIError(
-                404, f"model {model!r} does not exist", param="model", code="model_not_found"
+                404, f"model {model!r} does not exist or you do not have access to it",
+                param="model", code="model_not_found",
             )
+        return adapter
 
     def _cache_salt(self, policy: TenantPolicy) -> str:
         """Tenants configured by key get their own prefix-cache key space, so none can
@@ -160,19 +178,19 @@ class Server:
         self._check_ready()
         policy = self.tenants.identify(request.headers)
         req = decode(await request.read(), CompletionRequest)
-        self._check_model(req.model)
+        adapter = self._adapter_for(req.model, policy)
         ids, params = prompts.completion(req, self.client)
         form = fmt.CompletionFormat(self.client.tokenizer, req)
-        return await self._serve(request, policy, ids, params, req, form)
+        return await self._serve(request, policy, ids, params, req, form, adapter)
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         self._check_ready()
         policy = self.tenants.identify(request.headers)
         req = decode(await request.read(), ChatCompletionRequest)
-        self._check_model(req.model)
+        adapter = self._adapter_for(req.model, policy)
         ids, params = prompts.chat(req, self.client, self.config.default_chat_max_tokens)
         form = fmt.ChatFormat(self.client.tokenizer, req)
-        return await self._serve(request, policy, [ids], params, req, form)
+        return await self._serve(request, policy, [ids], params, req, form, adapter)
 
     async def _serve(
         self,
@@ -182,6 +200,7 @@ class Server:
         params: SamplingParams,
         req: CompletionRequest | ChatCompletionRequest,
         form: fmt.ResponseFormat,
+        adapter: Adapter | None,
     ) -> web.StreamResponse:
         """Admit (tenant limits, then the queue), submit n choices a prompt, answer."""
         client = self.client
@@ -204,6 +223,8 @@ class Server:
         except APIError as e:
             self.metrics.requests_rejected.labels(e.body["error"]["code"] or "limit").inc()
             raise
+        if adapter is not None:
+            self.metrics.lora_requests.labels(adapter.name).inc(count)
         start = time.monotonic()
         loop = asyncio.get_running_loop()
         choices: list[Choice] = []
@@ -219,6 +240,7 @@ class Server:
                         loop=loop,
                         lazy=not req.stream,
                         cache_salt=self._cache_salt(policy),
+                        adapter=adapter,
                     )
                     choices.append(Choice(len(choices), stream, ids))
             response_id = form.id_prefix + uuid.uuid4().hex
@@ -244,12 +266,15 @@ class Server:
 
     async def models(self, request: web.Request) -> web.Response:
         self._check_ready()
-        self.tenants.identify(request.headers)
+        policy = self.tenants.identify(request.headers)
         client = self.client
         card = {"id": self.model_name, "object": "model", "created": 0, "owned_by": "jaxserve",
                 "max_model_len": client.max_model_len, "dtype": client.dtype,
                 "weight_dtype": client.weight_dtype, "kv_dtype": client.kv_dtype}
-        return json_response({"object": "list", "data": [card]})
+        # each LoRA adapter the caller may use, as vLLM lists them: parent the base model
+        adapters = [{**card, "id": a.name, "parent": self.model_name, "root": str(a.path)}
+                    for a in client.adapters() if policy.may_use(a.name)]
+        return json_response({"object": "list", "data": [card, *adapters]})
 
     async def health(self, request: web.Request) -> web.Response:
         failure = self.load_error or (self.client and self.client.failure)
@@ -268,10 +293,51 @@ class Server:
 
     async def admin_requests(self, request: web.Request) -> web.Response:
         self._check_ready()
-        if self.tenants.keys and not self.tenants.identify(request.headers).admin:
-            raise APIError(401, "an admin API key is needed", code="not_admin")
+        self._check_admin(request)
         rows = [dataclasses.asdict(r) for r in self.client.live_requests()]
         return json_response({"object": "list", "data": rows})
+
+    def _check_admin(self, request: web.Request) -> None:
+        if self.tenants.keys and not self.tenants.identify(request.headers).admin:
+            raise APIError(401, "an admin API key is needed", code="not_admin")
+
+    def _check_runtime_lora(self, request: web.Request) -> None:
+        self._check_ready()
+        if not self.config.runtime_lora:
+            raise APIError(404, "loading LoRA adapters at run time is off (start the server "
+                           "with --enable-runtime-lora)", code="runtime_lora_disabled")
+        self._check_admin(request)
+
+    async def load_adapter(self, request: web.Request) -> web.Response:
+        """vLLM's route: serve a PEFT adapter directory as a new model name."""
+        self._check_runtime_lora(request)
+        req = decode(await request.read(), LoadAdapterRequest)
+        if req.lora_name == self.model_name:
+            raise APIError(400, f"{req.lora_name!r} is the base model's name",
+                           param="lora_name")
+        loop = asyncio.get_running_loop()
+        try:  # reading the weights blocks on the disk: off the event loop
+            adapter = await loop.run_in_executor(
+                None, self.client.load_adapter, req.lora_name, req.lora_path)
+        except AdapterError as e:
+            raise APIError(400, str(e), param="lora_path", code="invalid_adapter") from None
+        log.info("loaded LoRA adapter %s (rank %d) from %s", adapter.name, adapter.rank,
+                 adapter.path)
+        return json_response({"object": "lora_adapter", "id": adapter.name,
+                              "parent": self.model_name, "rank": adapter.rank})
+
+    async def unload_adapter(self, request: web.Request) -> web.Response:
+        """vLLM's route: stop serving an adapter; requests running with it finish."""
+        self._check_runtime_lora(request)
+        req = decode(await request.read(), UnloadAdapterRequest)
+        try:
+            self.client.unload_adapter(req.lora_name)
+        except KeyError:
+            raise APIError(404, f"no LoRA adapter named {req.lora_name!r} is loaded",
+                           param="lora_name", code="model_not_found") from None
+        log.info("unloaded LoRA adapter %s", req.lora_name)
+        return json_response({"object": "lora_adapter", "id": req.lora_name,
+                              "deleted": True})
 
 
 @web.middleware
@@ -302,6 +368,8 @@ def build_app(server: Server) -> web.Application:
     app.router.add_get("/health", server.health)
     app.router.add_get("/metrics", server.metrics_route)
     app.router.add_get("/admin/requests", server.admin_requests)
+    app.router.add_post("/v1/load_lora_adapter", server.load_adapter)
+    app.router.add_post("/v1/unload_lora_adapter", server.unload_adapter)
     app.router.add_get("/openapi.json", openapi.route(server))
     return app
 

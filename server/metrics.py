@@ -105,6 +105,18 @@ class Metrics:
             "Cached KV pages no running request owns (evictable)",
             registry=r,
         )
+        self.lora_requests = Counter(
+            "jaxserve:lora_requests", "Requests admitted, by LoRA adapter", ["adapter"],
+            registry=r,
+        )
+        self.lora_adapters_loaded = Gauge(
+            "jaxserve:lora_adapters_loaded", "LoRA adapters served (in host memory)",
+            registry=r,
+        )
+        self.lora_slots_in_use = Gauge(
+            "jaxserve:lora_slots_in_use", "Device slots holding a LoRA adapter (--max-loras)",
+            registry=r,
+        )
 
     def bind(self, stats: Callable[[], EngineStats]) -> None:
         """Let the gauges and engine-kept counters read the live engine when scraped."""
@@ -117,6 +129,8 @@ class Metrics:
         )
         self.oldest_waiting_seconds.set_function(lambda: stats().oldest_waiting_seconds)
         self.kv_pages_cached.set_function(lambda: stats().pages_cached)
+        self.lora_adapters_loaded.set_function(lambda: stats().adapters_loaded)
+        self.lora_slots_in_use.set_function(lambda: stats().adapter_slots_used)
         self.registry.register(_EngineCounters(stats))
 
     def observe_step(self, time: StepTime) -> None:
@@ -157,6 +171,11 @@ class _EngineCounters:
                 "jaxserve:requests_admitted",
                 "Requests the engine took in (past admission and its checks)",
                 s.requests_admitted,
+            ),
+            (
+                "jaxserve:lora_swaps",
+                "LoRA adapters written into a device slot (the first load of each counts)",
+                s.adapter_swaps,
             ),
         ):
             yield CounterMetricFamily(name, doc, value=value)

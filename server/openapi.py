@@ -27,6 +27,8 @@ from server.protocol import (
     ROLES,
     ChatCompletionRequest,
     CompletionRequest,
+    LoadAdapterRequest,
+    UnloadAdapterRequest,
 )
 from server.responses import json_response
 
@@ -194,6 +196,25 @@ class Model(_Body):
     dtype: str
     weight_dtype: str
     kv_dtype: str
+    parent: str | Unset = UNSET  # a LoRA adapter's base model
+    root: str | Unset = UNSET  # a LoRA adapter's directory
+
+
+class AdapterLoaded(_Body):
+    """A LoRA adapter now served under `id`."""
+
+    id: str
+    object: Literal["lora_adapter"]
+    parent: str
+    rank: int
+
+
+class AdapterUnloaded(_Body):
+    """A LoRA adapter no longer served (requests running with it finish)."""
+
+    id: str
+    object: Literal["lora_adapter"]
+    deleted: bool
 
 
 class ModelList(_Body):
@@ -393,12 +414,18 @@ def _ok(name: str, description: str) -> dict:
     return {"description": description, "content": _content(name)}
 
 
+def _post(name: str, summary: str, body: str, ok: dict, errors: tuple[int, ...]) -> dict:
+    return {**_get(name, summary, ok, errors),
+            "requestBody": {"required": True, "content": _content(body)}}
+
+
 def _schemas() -> dict:
     """Every body's schema by name: the Structs', with the server's ranges written in."""
     types = [
         CompletionRequest, ChatCompletionRequest, Completion, CompletionChunk, ChatCompletion,
         ChatCompletionChunk, ModelList, LiveRequestList, HealthOk, HealthUnavailable,
-        ErrorResponse,
+        ErrorResponse, LoadAdapterRequest, UnloadAdapterRequest, AdapterLoaded,
+        AdapterUnloaded,
     ]
     refs, schemas = msgspec.json.schema_components(types, ref_template=REF)
     schemas["HealthUnavailable"] = refs[types.index(HealthUnavailable)]
@@ -430,8 +457,16 @@ def _paths() -> dict:
         "/v1/chat/completions": {"post": _generate(
             "chatCompletion", "Answer a conversation", "ChatCompletionRequest",
             "ChatCompletion", "ChatCompletionChunk", CHAT_EXAMPLES)},
-        "/v1/models": {"get": _get("listModels", "The served model",
-                                   _ok("ModelList", "The served model"), (401, 500, 503))},
+        "/v1/models": {"get": _get("listModels", "The served model and its LoRA adapters",
+                                   _ok("ModelList", "The base model, then each adapter"),
+                                   (401, 500, 503))},
+        "/v1/load_lora_adapter": {"post": _post(
+            "loadLoraAdapter", "Serve a LoRA adapter (--enable-runtime-lora; an admin key)",
+            "LoadAdapterRequest", _ok("AdapterLoaded", "Loaded"), (400, 401, 404, 500, 503))},
+        "/v1/unload_lora_adapter": {"post": _post(
+            "unloadLoraAdapter", "Stop serving a LoRA adapter (--enable-runtime-lora)",
+            "UnloadAdapterRequest", _ok("AdapterUnloaded", "Unloaded"),
+            (400, 401, 404, 500, 503))},
         "/health": {"get": health},
         "/metrics": {"get": _get(
             "metrics", "Prometheus metrics",
@@ -449,7 +484,8 @@ def _paths() -> dict:
     tenant = {"name": "X-Tenant", "in": "header", "required": False,
               "description": "The tenant, when the server has no API keys",
               "schema": {"type": "string"}}
-    for path in ("/v1/completions", "/v1/chat/completions", "/v1/models", "/admin/requests"):
+    for path in ("/v1/completions", "/v1/chat/completions", "/v1/models", "/admin/requests",
+                 "/v1/load_lora_adapter", "/v1/unload_lora_adapter"):
         for op in paths[path].values():
             op["security"] = [{}, {"bearerAuth": []}]  # a key only when the server has keys
             op["parameters"] = [tenant]

@@ -112,6 +112,21 @@ class ChatCompletionRequest(_Common):
     top_logprobs: int | None = None
 
 
+class LoadAdapterRequest(msgspec.Struct, forbid_unknown_fields=True):
+    """vLLM's `POST /v1/load_lora_adapter` body: serve the PEFT directory at `lora_path`
+    (a path on the server's machine) as the model `lora_name`."""
+
+    lora_name: str
+    lora_path: str
+
+
+class UnloadAdapterRequest(msgspec.Struct, forbid_unknown_fields=True):
+    """vLLM's `POST /v1/unload_lora_adapter` body (its `lora_int_id` is not needed here)."""
+
+    lora_name: str
+    lora_int_id: int | None = None
+
+
 def decode(body: bytes, kind: type[msgspec.Struct]) -> msgspec.Struct:
     """Parse a JSON body into `kind`, or raise a 400 that names the parameter at fault."""
     try:

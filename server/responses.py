@@ -67,6 +67,11 @@ class Responder:
     # a stream write blocked this long means the client stopped reading: drop it
     write_timeout_s: float
 
+    def _model(self, form: fmt.ResponseFormat) -> str:
+        """The model an answer names: the one asked for (a LoRA adapter's name, or the
+        base model's), as OpenAI echoes it; the base model when none was named."""
+        return form.req.model or self.model_name
+
     async def pump(self, choice: Choice, start: float, sink: asyncio.Queue | None = None):
         """Read one engine stream to its end, observing latency metrics on the way
         (at the engine's emit times: a lazy stream is read in batches)."""
@@ -111,7 +116,7 @@ class Responder:
                 faults.before_serialize(c.stream.request_id)
                 items.append(form.choice(c.index, c.prompt_ids, c.text, c.outputs,
                                          c.finish_reason))
-            body = fmt.body(form.object_name, response_id, self.model_name, items, usage)
+            body = fmt.body(form.object_name, response_id, self._model(form), items, usage)
             return json_response(body)
         except Exception:
             log.exception("writing the answer of %s failed", response_id)
@@ -144,7 +149,7 @@ class Responder:
         pumps = [asyncio.create_task(self.pump(c, start, sink)) for c in choices]
 
         def chunk(items: list[dict], usage: dict | None = None) -> dict:
-            return fmt.body(form.chunk_name, response_id, self.model_name, items, usage)
+            return fmt.body(form.chunk_name, response_id, self._model(form), items, usage)
 
         async def send(body: dict | None) -> None:
             """One SSE event (None: the final [DONE]); ClientStalled if the client does not

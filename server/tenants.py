@@ -25,6 +25,10 @@ class TenantPolicy:
     max_context: int | None = None  # prompt + max_tokens
     max_output_tokens: int | None = None
     admin: bool = False
+    adapters: frozenset[str] | None = None  # LoRA adapters it may use; None: every one
+
+    def may_use(self, adapter: str) -> bool:
+        return self.adapters is None or adapter in self.adapters
 
 
 class Tenants:
@@ -49,6 +53,7 @@ class Tenants:
                     max_context=raw.get("max_context"),
                     max_output_tokens=raw.get("max_output_tokens"),
                     admin=bool(raw.get("admin", False)),
+                    adapters=None if raw.get("adapters") is None else frozenset(raw["adapters"]),
                 )
         if api_key:
             keys[api_key] = TenantPolicy(name="default", admin=True)

@@ -239,6 +239,18 @@ def test_int8_kv_and_its_scales_shard_over_kv_heads_and_pages(random_run):
     assert engine == {"tokens_match": True, "compiles_after_warmup": 0}
 
 
+def test_lora_adapters_on_a_mesh_give_the_tokens_of_one_device(random_run):
+    """tp 4 (and tp 4 × dp 2): 3 adapters through 2 slots and base rows, token for token
+    as on one device; A is split like a row-parallel projection's input, B like a
+    column-parallel one's output."""
+    for key in ("engine_lora", "engine_lora_dp"):
+        engine = random_run[key]
+        assert engine["tokens_match"] and engine["adapters_change_tokens"], (key, engine)
+        assert engine["compiles_after_warmup"] == 0
+        assert engine["slot_specs"] == {"q_proj_b": [None, None, "model"],
+                                        "o_proj_a": [None, "model", None]}
+
+
 def test_engine_on_a_mesh_generates_the_tokens_of_one_device_without_compiling(random_run):
     engine = random_run["engine"]
     assert engine["tokens_match"]
@@ -520,9 +532,11 @@ def _logits_over_steps(model, mesh=None, kv_dtype: str = "f32") -> tuple[np.ndar
     return np.concatenate(out), kv
 
 
-def _engine_check(model_dir: Path, tp: int, dp: int, kv_dtype: str = "auto") -> dict:
+def _engine_check(model_dir: Path, tp: int, dp: int, kv_dtype: str = "auto",
+                  adapters: dict[str, Path] | None = None) -> dict:
     """Greedy tokens of mixed requests on one device and, after warm-up, on a tp × dp mesh,
-    KV stored as `kv_dtype`."""
+    KV stored as `kv_dtype`; with `adapters` (LoRA, name -> directory) the requests take
+    them and the base model in turn."""
     from jaxserve import LLM, SamplingParams
     from jaxserve.device.runner import compile_count
 
@@ -533,15 +547,27 @@ def _engine_check(model_dir: Path, tp: int, dp: int, kv_dtype: str = "auto") -> 
     # f32 projections on both: auto picks bf16 on the AMX kernel for one CPU device only
     sizes = {"max_batch": 2, "num_pages": 64, "page_size": 4, "token_budget": 2,
              "kv_dtype": kv_dtype, "weight_dtype": "f32"}
-    alone = LLM(model_dir, **sizes).generate(requests, params)
+    names = None
+    if adapters:
+        sizes.update(lora=adapters, max_loras=2, max_lora_rank=8)
+        names = [[*adapters, None][i % (len(adapters) + 1)] for i in range(len(requests))]
+    alone = LLM(model_dir, **sizes).generate(requests, params, adapter=names)
     llm = LLM(model_dir, tp=tp, dp=dp, **sizes)
     llm.runner.warmup(repeats=1)
     before = compile_count()
-    sharded = llm.generate(requests, params)
-    return {
+    sharded = llm.generate(requests, params, adapter=names)
+    result = {
         "tokens_match": [o.token_ids for o in sharded] == [o.token_ids for o in alone],
         "compiles_after_warmup": llm.runner.compiles_after_warmup + compile_count() - before,
     }
+    if adapters:  # and they matter: the base model's tokens differ
+        base = llm.generate(requests, params)
+        result["adapters_change_tokens"] = [o.token_ids for o in base] != [
+            o.token_ids for o in alone]
+        slots = llm.runner.adapter_slots
+        result["slot_specs"] = {"q_proj_b": list(slots.b["q_proj"].sharding.spec),
+                                "o_proj_a": list(slots.a["o_proj"].sharding.spec)}
+    return result
 
 
 def _random_scenario(directory: Path) -> dict:
@@ -599,6 +625,15 @@ def _random_scenario(directory: Path) -> dict:
     }
     result["engine"] = _engine_check(model_dir, 4, 2)
     result["engine_int8_kv"] = _engine_check(model_dir, 4, 2, "int8")
+    sys.path.insert(0, str(HERE.parent / "bench"))
+    from lora import write_adapter
+
+    config = load(model_dir)[0].config
+    adapters = {f"a{i}": directory / f"adapter-{i}" for i in range(3)}
+    for i, path in enumerate(adapters.values()):
+        write_adapter(path, config, rank=4 + 4 * (i % 2), seed=i, std=0.2)
+    result["engine_lora"] = _engine_check(model_dir, 4, 1, adapters=adapters)
+    result["engine_lora_dp"] = _engine_check(model_dir, 4, 2, adapters=adapters)
     result["seconds"]["engine"] = round(time.perf_counter() - start, 1)
     return result
 

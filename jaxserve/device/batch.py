@@ -74,9 +74,12 @@ def pack_step(
     logits_indices = np.zeros(num_rows, np.int32)
     logits_indices[:n] = offsets + lens - 1
     prompt_rows = np.full(num_tokens, spare_row, np.int32)
+    adapters = np.zeros(num_tokens, np.int32)
     for chunk, offset, length in zip(chunks, offsets.tolist(), lens.tolist()):
         if chunk.is_prompt and chunk.row is not None:
             prompt_rows[offset : offset + length] = chunk.row
+        if chunk.adapter_slot:
+            adapters[offset : offset + length] = chunk.adapter_slot
     bias_ids = np.zeros((num_rows, MAX_LOGIT_BIAS), np.int32)
     bias_values = np.zeros((num_rows, MAX_LOGIT_BIAS), np.float32)
     for i, chunk in enumerate(chunks):
@@ -110,4 +113,4 @@ def pack_step(
     metadata = AttentionMetadata(
         seq_ids, slot_mapping, page_table, cu_q_lens, kv_lens, logits_indices, attention_backend
     )
-    return StepInputs(token_ids, positions, metadata, sampling)
+    return StepInputs(token_ids, positions, metadata, sampling, adapters)

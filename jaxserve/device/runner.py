@@ -25,6 +25,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxserve.checkpoint.adapter import Adapter
+from jaxserve.device.adapters import (
+    init_adapter_slots,
+    jit_write_slot,
+    slot_shardings,
+    slot_weights,
+)
 from jaxserve.device.attention import select_backend
 from jaxserve.device.batch import pack_step
 from jaxserve.device.kv_cache import KV_STORAGE, SCALED, init_kv_cache, storage_name
@@ -35,7 +42,7 @@ from jaxserve.device.step import StepInputs, jit_score, jit_step
 from jaxserve.host.buckets import BucketTable
 from jaxserve.host.page_allocator import NULL_PAGE
 from jaxserve.host.plan import Chunk, StepPlan
-from jaxserve.host.results import StepOutput
+from jaxserve.host.results import RESULT_WIDTH, StepOutput
 from jaxserve.models import param_axes
 
 log = logging.getLogger(__name__)
@@ -111,10 +118,11 @@ class ModelRunner:
         dtype: jnp.dtype = jnp.float32,
         mesh: jax.sharding.Mesh | None = None,
         kv_dtype: str | None = None,
+        adapter_slots: tuple[int, int] | None = None,
     ):
         """`kv_dtype` is how pages store K and V (a kv_cache.KV_STORAGE name); None: in
-        `dtype`."""
-        cfg = model.config
+        `dtype`. `adapter_slots`: (slots, max rank) of LoRA adapters to serve; None: none."""
+        cfg = self.config = model.config
         self.graphdef, self.state = nnx.split(model)
         self.buckets = buckets
         self.page_size = page_size
@@ -139,6 +147,17 @@ class ModelRunner:
         self.penalties = init_penalty_state(
             self.num_shards * (num_rows + 1) - 1, cfg.vocab_size
         )
+        self.adapter_slots = None
+        if adapter_slots is not None:
+            if jax.process_count() > 1:
+                raise ValueError("LoRA adapters are not served across processes yet")
+            slots = init_adapter_slots(cfg, *adapter_slots)
+            if self.layout is not None:
+                self.layout = dataclasses.replace(
+                    self.layout, adapters=slot_shardings(mesh, slots, param_axes(cfg))
+                )
+            self.adapter_slots = jax.device_put(slots, self.layout and self.layout.adapters)
+            self._write_slot = jit_write_slot(self.layout and self.layout.adapters)
         if self.layout is not None:
             # a no-op for weights loaded into their shardings (loader.load with the mesh)
             self.state = jax.device_put(self.state, self.layout.state)
@@ -157,12 +176,23 @@ class ModelRunner:
             raise NotImplementedError(
                 "the model runner samples one token a row: draft tokens need a verifying step"
             )
+        for slot, adapter in plan.adapter_loads:
+            self.write_adapter(slot, adapter)
+        if not plan.chunks:  # its requests failed before the step; the writes stand
+            return StepOutput.unpack(np.zeros((0, RESULT_WIDTH), np.float32))
         # scored before the step, so the K/V the cache keeps are the step's own
         prompt = {
             c.request_id: self._score_chunk(c) for c in plan.chunks if c.score_targets is not None
         }
         output = self._run(plan.chunks, plan.bucket)
         return dataclasses.replace(output, prompt_logprobs=prompt) if prompt else output
+
+    def write_adapter(self, slot: int, adapter: Adapter | None) -> None:
+        """Put `adapter` (None: zeros) into device slot `slot` (1-based)."""
+        a, b, scale = slot_weights(adapter, self.config, self.adapter_slots.max_rank)
+        before = _COMPILES.count
+        self.adapter_slots = self._write_slot(self.adapter_slots, np.int32(slot), a, b, scale)
+        self._count_compiles(before, (0, 0))
 
     def _score_chunk(self, chunk: Chunk) -> StepOutput:
         """Prompt logprobs of a prefill chunk, one row per token (see `step.score`),
@@ -186,7 +216,8 @@ class ModelRunner:
         )
         every_token = np.arange(num_tokens, dtype=np.int32)
         metadata = dataclasses.replace(inputs.metadata, logits_indices=every_token)
-        return inputs.token_ids, inputs.positions, metadata, np.zeros(num_tokens, np.int32)
+        return (inputs.token_ids, inputs.positions, metadata, np.zeros(num_tokens, np.int32),
+                inputs.adapters)
 
     def empty_score_inputs(self, num_tokens: int) -> tuple:
         """`score` inputs of this shape holding nothing (what followers receive into)."""
@@ -194,7 +225,9 @@ class ModelRunner:
 
     def dispatch_score(self, inputs: tuple, num_tokens: int) -> jax.Array:
         before = _COMPILES.count
-        results, self.kv_cache = self._score(self._weights, self.kv_cache, *self._global(inputs))
+        results, self.kv_cache = self._score(
+            self._weights, self.kv_cache, *self._global(inputs), self.adapter_slots
+        )
         self._count_compiles(before, (num_tokens, 1))
         return results
 
@@ -240,7 +273,8 @@ class ModelRunner:
     def dispatch_step(self, inputs: StepInputs, bucket: tuple[int, int]) -> jax.Array:
         before = _COMPILES.count
         results, self.kv_cache, self.penalties = self._step(
-            self._weights, self.kv_cache, self.penalties, self._global(inputs)
+            self._weights, self.kv_cache, self.penalties, self._global(inputs),
+            self.adapter_slots,
         )
         self._count_compiles(before, bucket)
         return results
@@ -281,6 +315,8 @@ class ModelRunner:
         """
         context = self.max_pages * self.page_size if worst_case else 0
         buckets = self.buckets.buckets()
+        if self.adapter_slots is not None:
+            self.write_adapter(1, None)  # compiles the slot write (slot 1 stays empty)
         total = len(self.buckets.token_sizes) + len(buckets)
         began = time.perf_counter()
         done = 0

@@ -152,6 +152,7 @@ class Layout:
     kv_cache: KVCache  # NamedSharding of k and of v (and of their scales, if any)
     replicated: NamedSharding  # results, and the inputs of forward passes outside the step
     data: NamedSharding  # axis 0 over "data": step inputs and the penalty state
+    adapters: object = None  # the LoRA adapter slots' NamedShardings, when served
 
     @staticmethod
     def build(

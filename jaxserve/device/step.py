@@ -22,6 +22,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec
 
 from jaxserve.config import MAX_LOGPROBS
+from jaxserve.device.adapters import AdapterBatch, AdapterSlots
 from jaxserve.device.attention import AttentionMetadata
 from jaxserve.device.kv_cache import KVCache
 from jaxserve.device.sampling import (
@@ -48,6 +49,7 @@ class StepInputs:
     positions: jax.Array  # i32[num_tokens]
     metadata: AttentionMetadata
     sampling: SamplingTensors  # rows = metadata.logits_indices
+    adapters: jax.Array  # i32[num_tokens]: each token's adapter slot, 0 for none
 
 
 def _forward(
@@ -57,10 +59,18 @@ def _forward(
     token_ids: jax.Array,  # i32[num_tokens]
     positions: jax.Array,  # i32[num_tokens]
     metadata: AttentionMetadata,
+    adapters: AdapterBatch | None = None,
 ) -> tuple[jax.Array, KVCache]:  # f32[num_logits, vocab], cache
-    """Logits at `metadata.logits_indices`, writing every token's K/V into the cache."""
+    """Logits at `metadata.logits_indices`, writing every token's K/V into the cache.
+    A model is given `adapters` only when LoRA adapters are served."""
     model = nnx.merge(graphdef, state)
-    return model(token_ids, positions, kv_cache, metadata)
+    if adapters is None:
+        return model(token_ids, positions, kv_cache, metadata)
+    return model(token_ids, positions, kv_cache, metadata, adapters)
+
+
+def _batch(slots: AdapterSlots | None, token_slots: jax.Array) -> AdapterBatch | None:
+    return None if slots is None else AdapterBatch(slots, token_slots)
 
 
 def _step(
@@ -69,14 +79,17 @@ def _step(
     kv_cache: KVCache,
     penalties: PenaltyState,
     inputs: StepInputs,
+    slots: AdapterSlots | None = None,
 ) -> tuple[jax.Array, KVCache, PenaltyState]:
-    """One forward pass; sample the next token of every row and score it.
+    """One forward pass; sample the next token of every row and score it. `slots`: the
+    LoRA adapters' slots, when adapters are served.
 
     Returns f32[num_rows, RESULT_WIDTH] results (laid out as `StepResults` reads
     them), the cache and the penalty state.
     """
     logits, kv_cache = _forward(
-        graphdef, state, kv_cache, inputs.token_ids, inputs.positions, inputs.metadata
+        graphdef, state, kv_cache, inputs.token_ids, inputs.positions, inputs.metadata,
+        _batch(slots, inputs.adapters),
     )
     params = inputs.sampling
     # a step without logit_bias leaves the logits alone: the biased copy costs every row
@@ -111,13 +124,16 @@ def _score(
     positions: jax.Array,  # i32[num_tokens]
     metadata: AttentionMetadata,  # logits_indices: every token
     targets: jax.Array,  # i32[num_tokens] the token that follows each one
+    token_slots: jax.Array,  # i32[num_tokens] each token's adapter slot
+    slots: AdapterSlots | None = None,
 ) -> tuple[jax.Array, KVCache]:
     """Prompt logprobs: each target's log-probability after the tokens before it.
 
     Returns f32[num_tokens, RESULT_WIDTH] (the `StepResults` layout, targets as the
     tokens) and the cache, its K/V written as the step writes them.
     """
-    logits, kv_cache = _forward(graphdef, state, kv_cache, token_ids, positions, metadata)
+    logits, kv_cache = _forward(graphdef, state, kv_cache, token_ids, positions, metadata,
+                                _batch(slots, token_slots))
     return _results(logits, targets, jnp.full(targets.shape, MAX_LOGPROBS)), kv_cache
 
 
@@ -150,8 +166,9 @@ forward = jax.jit(_forward, static_argnums=0, donate_argnums=2)
 
 
 def jit_step(graphdef: nnx.GraphDef, state: nnx.State, layout: Layout | None = None) -> Callable:
-    """`_step` jitted for this model: called as (weights, kv_cache, penalties, inputs),
-    `weights` the state's leaves (`jax.tree.leaves(state)`).
+    """`_step` jitted for this model: called as (weights, kv_cache, penalties, inputs,
+    slots), `weights` the state's leaves (`jax.tree.leaves(state)`), `slots` the adapter
+    slots (None when no adapters are served).
 
     The model's structure is bound here rather than passed at every call: hashing a
     GraphDef and flattening an nnx.State cost ~1.4 ms of host time a step.
@@ -167,21 +184,24 @@ def jit_step(graphdef: nnx.GraphDef, state: nnx.State, layout: Layout | None = N
     return jax.jit(
         _per_data_shard(fn, layout, num_sharded_inputs=2, outputs=(_DATA, _KV, _DATA)),
         donate_argnums=(1, 2),
-        in_shardings=(jax.tree.leaves(layout.state), layout.kv_cache, layout.data, layout.data),
+        in_shardings=(jax.tree.leaves(layout.state), layout.kv_cache, layout.data, layout.data,
+                      layout.adapters),
         out_shardings=(layout.replicated, layout.kv_cache, layout.data),
     )
 
 
 def jit_score(graphdef: nnx.GraphDef, state: nnx.State, layout: Layout | None = None) -> Callable:
     """`_score` jitted for this model, as `jit_step`: (weights, kv_cache, token_ids,
-    positions, metadata, targets); with `layout`, each data shard scores its own rows."""
+    positions, metadata, targets, token_slots, slots); with `layout`, each data shard
+    scores its own rows."""
     fn = _bound(_score, graphdef, state)
     if layout is None:
         return jax.jit(fn, donate_argnums=1)
     return jax.jit(
-        _per_data_shard(fn, layout, num_sharded_inputs=4, outputs=(_DATA, _KV)),
+        _per_data_shard(fn, layout, num_sharded_inputs=5, outputs=(_DATA, _KV)),
         donate_argnums=1,
-        in_shardings=(jax.tree.leaves(layout.state), layout.kv_cache, *[layout.data] * 4),
+        in_shardings=(jax.tree.leaves(layout.state), layout.kv_cache, *[layout.data] * 5,
+                      layout.adapters),
         out_shardings=(layout.replicated, layout.kv_cache),
     )
 
@@ -215,14 +235,15 @@ _KV = PartitionSpec(None, None, DATA)  # [layer, kv_head, page, ...]: pages per 
 def _per_data_shard(
     fn: Callable, layout: Layout, num_sharded_inputs: int, outputs: tuple
 ) -> Callable:
-    """fn(weights, kv_cache, *inputs) run by each data shard on its own part.
+    """fn(weights, kv_cache, *inputs, slots) run by each data shard on its own part; the
+    weights and the adapter slots (last) are whole on every data shard.
 
     Manual over "data" only: the weights' "model" sharding stays with the compiler.
     """
     return jax.shard_map(
         fn,
         mesh=layout.mesh,
-        in_specs=(PartitionSpec(), _KV, *[_DATA] * num_sharded_inputs),
+        in_specs=(PartitionSpec(), _KV, *[_DATA] * num_sharded_inputs, PartitionSpec()),
         out_specs=outputs,
         axis_names={DATA},
         check_vma=False,

@@ -24,6 +24,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from jaxserve.checkpoint.adapter import Adapter
 from jaxserve.checkpoint.tokenizer import Tokenizer
 from jaxserve.config import SamplingParams
 from jaxserve.host import faults
@@ -118,9 +119,10 @@ class Engine:
         loop: asyncio.AbstractEventLoop | None = None,
         cache_salt: str = "",
         lazy: bool = False,
+        adapter: Adapter | None = None,
     ) -> OutputStream:
         """Queue a request (checked at once: RequestRejected if it can never run;
-        EngineFailed once the engine has failed).
+        EngineFailed once the engine has failed), with a LoRA `adapter` if given.
 
         Pass the asyncio `loop` of a consumer that reads the stream with `async for`,
         and `lazy` if it wants the whole answer rather than each token (see stream.py).
@@ -138,7 +140,9 @@ class Engine:
             time.monotonic(),
             tenant,
             priority,
-            cache_salt,
+            # a page computed under one adapter is never reused under another
+            cache_salt if adapter is None else f"{cache_salt}\0{adapter.key}",
+            adapter,
         )
         self._check(request)
         request.stream = OutputStream(request_id, self.stream_capacity, loop, lazy)
@@ -182,7 +186,7 @@ class Engine:
             self.requests[request_id].admitted_time = now
             self._admissions.append(now)
         plan = self._set_up_sampling(plan)
-        if not plan.chunks:
+        if not plan.chunks and not plan.adapter_loads:
             return plan
         self._steps += 1
         self._step_started = time.monotonic()

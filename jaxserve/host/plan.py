@@ -13,6 +13,7 @@ of them the model accepts, plus the token it samples after the last accepted one
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from jaxserve.checkpoint.adapter import Adapter
 from jaxserve.config import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -38,6 +39,7 @@ class Chunk:
     # for prompt logprobs: the prompt token after each of this chunk's tokens (0 past the
     # prompt's end); None when the request asks for none
     score_targets: tuple[int, ...] | None = None
+    adapter_slot: int = 0  # the device slot of the request's LoRA adapter; 0: none
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,6 +50,8 @@ class StepPlan:
     chunks: tuple[Chunk, ...]
     bucket: tuple[int, int]  # (num_tokens, num_rows) of every shard's batch
     admitted: tuple[str, ...] = ()  # requests admitted for this step
+    # LoRA adapters to write into device slots before the step: (slot, adapter)
+    adapter_loads: tuple[tuple[int, Adapter], ...] = ()
 
     @property
     def num_tokens(self) -> int:

@@ -9,6 +9,7 @@ The step plan handed to the device side is plain data copied from it (`plan.Chun
 
 from dataclasses import dataclass, field
 
+from jaxserve.checkpoint.adapter import Adapter
 from jaxserve.config import SamplingParams
 from jaxserve.host.output_text import OutputText
 from jaxserve.host.stream import OutputStream
@@ -26,9 +27,11 @@ class Request:
     tenant: str = "default"
     priority: int = 0  # lower runs first (0 = interactive, 1 = batch)
     cache_salt: str = ""  # prefix-cache key space: the tenant when tenants are isolated
+    adapter: Adapter | None = None  # the LoRA adapter it runs with; None: the base model
     # where it runs, from admission on (the scheduler's)
     shard: int = 0  # the data shard holding its pages and its row
     row: int | None = None  # its batch row (indexes per-row device state); None: waiting
+    adapter_slot: int = 0  # the device slot holding its adapter, from admission on
     pages: tuple[int, ...] = ()  # reserved at admission for its maximum length
     num_computed: int = 0  # tokens whose K/V are in the cache
     num_cached_tokens: int = 0  # prompt tokens reused from the prefix cache

@@ -33,6 +33,11 @@ decoding) carries them after its last token, as far as the token budget and its
 pages allow. Admission reserves the request's maximum pages,
 ceil((prompt + max_tokens) / page_size), and never preempts a running request.
 
+LoRA adapters: a request with an adapter is admitted only once its adapter has a device
+slot, or can take one (`adapters.SlotTable`): like its pages, a slot it cannot get makes
+it wait, and nobody overtakes it. A slot taken for another adapter is written before the
+step (`StepPlan.adapter_loads`).
+
 The scheduler owns the request records (`request.Request`); the plan it hands the
 device side each step is plain data copied from them (`plan.StepPlan`).
 """
@@ -41,6 +46,7 @@ import time
 from collections import Counter, deque
 from dataclasses import dataclass, field
 
+from jaxserve.host.adapters import SlotTable
 from jaxserve.host.buckets import BucketTable
 from jaxserve.host.page_allocator import PageAllocator, page_keys
 from jaxserve.host.plan import Chunk, StepPlan
@@ -64,6 +70,7 @@ class Scheduler:
     token_budget: int = 512
     prefix_caching: bool = True
     reserved_rows: int = 0  # rows no tenant may take while others are active
+    adapter_slots: SlotTable | None = None  # LoRA adapters' device slots, when served
     waiting: deque[Request] = field(default_factory=deque)
     running: dict[str, Request] = field(default_factory=dict)  # in admission order
     step_index: int = 0
@@ -121,6 +128,8 @@ class Scheduler:
                 f"{request.max_total_tokens} exceeds the model's context of {limit} tokens",
                 "max_tokens", "context_length_exceeded",
             )
+        if request.adapter is not None and self.adapter_slots is None:
+            raise RequestRejected("this engine serves no LoRA adapters", "model")
         pool = self.allocators[0].num_usable
         if self.pages_needed(request) > pool:
             raise RequestRejected(
@@ -144,12 +153,14 @@ class Scheduler:
             self.allocators[request.shard].free(request_id, request.pages)
             self.free_rows[request.shard].append(request.row)
             self.running_per_tenant[request.tenant] -= 1
+            if request.adapter is not None:
+                self.adapter_slots.release(request.adapter)
             return
         self.waiting = deque(r for r in self.waiting if r.request_id != request_id)
 
     def schedule(self) -> StepPlan:
         """Admit what fits, then plan this step's chunks under each shard's token budget."""
-        admitted = self._admit()
+        admitted, loads = self._admit()
         chunks = []
         widest = (0, 0)  # (tokens, rows) of the fullest shard
         for shard in range(self.num_shards):
@@ -158,7 +169,7 @@ class Scheduler:
             tokens = sum(len(c.token_ids) for c in mine)
             widest = (max(widest[0], tokens), max(widest[1], len(mine)))
         bucket = self.buckets.choose(*widest) if chunks else (0, 0)
-        plan = StepPlan(self.step_index, tuple(chunks), bucket, admitted)
+        plan = StepPlan(self.step_index, tuple(chunks), bucket, admitted, loads)
         self.step_index += 1
         return plan
 
@@ -211,15 +222,19 @@ class Scheduler:
                 best, best_key = request, key
         return best
 
-    def _admit(self) -> tuple[str, ...]:
-        admitted = []
+    def _admit(self) -> tuple[tuple[str, ...], tuple]:
+        """Admit what fits; the ids admitted and the adapters to write into slots."""
+        admitted, loads = [], []
         while self.waiting:
             request = self.next_waiting()
             if request is None:  # every waiting tenant is at its row cap
                 break
-            placed = self._place(request)
+            adapter = request.adapter
+            placed = None
+            if adapter is None or self.adapter_slots.can_place(adapter):
+                placed = self._place(request)
             if placed is None:
-                break  # it waits for pages or a row; nobody overtakes it
+                break  # it waits for pages, a row or a slot; nobody overtakes it
             shard, cached = placed
             allocator = self.allocators[shard]
             self.waiting.remove(request)
@@ -234,9 +249,13 @@ class Scheduler:
             request.shard, request.row = shard, self.free_rows[shard].pop()
             request.num_computed = request.num_cached_tokens = num_cached
             request.num_registered_pages = len(cached)
+            if adapter is not None:
+                request.adapter_slot, swap = self.adapter_slots.acquire(adapter)
+                if swap:
+                    loads.append((request.adapter_slot, adapter))
             self.running[request.request_id] = request
             admitted.append(request.request_id)
-        return tuple(admitted)
+        return tuple(admitted), tuple(loads)
 
     def _place(self, request: Request) -> tuple[int, list[int]] | None:
         """The least-loaded shard with a free row and the pages for `request`, and the
@@ -299,6 +318,7 @@ class Scheduler:
             shard=request.shard,
             num_speculative=len(drafts),
             score_targets=targets,
+            adapter_slot=request.adapter_slot,
         )
 
     def advance(self, request: Request, chunk: Chunk, num_appended: int) -> None:

@@ -5,8 +5,10 @@ nowhere else: a plain [in, out] array (in the serving dtype, or another float dt
 on the fly), or a `QuantizedWeight` (int8 or fp8 values with one scale per output column,
 dequantized on the fly), or a `PackedWeight` (bf16 packed for a CPU kernel, AMX or
 AVX512-BF16, which reads it in place). Another storage format (grouped int4) is another
-case here; model code does not change. A layer scan goes through `scan_layers`, which
-hands a packed stack to the kernel whole, with the layer's index.
+case here; model code does not change. A LoRA adapter's term (`LoraTerm`) is added here
+too, so every projection an adapter may target gets it the same way. A layer scan goes
+through `scan_layers`, which hands a packed stack to the kernel whole, with the layer's
+index.
 """
 
 from dataclasses import dataclass, field
@@ -49,14 +51,36 @@ class PackedWeight:
     layer: jax.Array | None = None  # i32[]
 
 
-def linear(x: jax.Array, w: jax.Array | QuantizedWeight | PackedWeight) -> jax.Array:
-    """x @ w for x [..., in] and a weight [in, out] in any storage, in x's dtype."""
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True, slots=True)
+class LoraTerm:
+    """One layer's adapter slots for one projection, and each token's weight on their rank
+    columns (device/adapters.py): the term x @ a × mix @ b that LoRA adds."""
+
+    a: jax.Array  # f32[in, slots × rank]
+    b: jax.Array  # f32[slots × rank, out]
+    mix: jax.Array  # f32[num_tokens, slots × rank]
+    active: jax.Array  # bool[]: some token of the step has an adapter
+
+
+def linear(x: jax.Array, w: jax.Array | QuantizedWeight | PackedWeight,
+           lora: LoraTerm | None = None) -> jax.Array:
+    """x @ w for x [num_tokens, in] and a weight [in, out] in any storage, in x's dtype,
+    plus the tokens' adapter terms if `lora` is given (skipped in a step without one)."""
     if isinstance(w, PackedWeight):
-        return packed_linear(x.astype(jnp.float32), w.values, w.layer, w.backend, w.passes
-                             ).astype(x.dtype)
-    if isinstance(w, QuantizedWeight):
-        return (x @ w.values.astype(x.dtype)) * w.scale.astype(x.dtype)
-    return x @ w.astype(x.dtype)
+        y = packed_linear(x.astype(jnp.float32), w.values, w.layer, w.backend, w.passes
+                          ).astype(x.dtype)
+    elif isinstance(w, QuantizedWeight):
+        y = (x @ w.values.astype(x.dtype)) * w.scale.astype(x.dtype)
+    else:
+        y = x @ w.astype(x.dtype)
+    if lora is None:
+        return y
+
+    def term(x):
+        return (((x.astype(jnp.float32) @ lora.a) * lora.mix) @ lora.b).astype(y.dtype)
+
+    return y + jax.lax.cond(lora.active, term, lambda x: jnp.zeros_like(y), x)
 
 
 def scan_layers(body, carry, weights: dict):

@@ -14,10 +14,12 @@ import numpy as np
 from flax import nnx
 
 from jaxserve.config import ModelConfig
+from jaxserve.device.adapters import AdapterBatch, token_mix
 from jaxserve.device.attention import AttentionMetadata, paged_attention
 from jaxserve.device.kv_cache import KVCache, write_kv
+from jaxserve.device.sharding import on_any_shard
 from jaxserve.models.interface import ModelSpec, WeightRule, register_model
-from jaxserve.models.layers import linear, scan_layers
+from jaxserve.models.layers import LoraTerm, linear, scan_layers
 
 
 def rope_inv_freq(config: ModelConfig) -> np.ndarray:
@@ -92,20 +94,32 @@ class DecoderLayers(nnx.Module):
         positions: jax.Array,  # i32[num_tokens]
         kv_cache: KVCache,
         metadata: AttentionMetadata,
+        adapters: AdapterBatch | None = None,
     ) -> tuple[jax.Array, KVCache]:
         cfg = self.config
         # values, not p[...]: a quantized weight is a pytree (layers.py), not an array
         weights = {
             name: p.get_value() for name, p in vars(self).items() if isinstance(p, nnx.Param)
         }
+        if adapters is not None:  # the slots' stacks are scanned with the layers' weights
+            weights["adapters"] = {"a": adapters.slots.a, "b": adapters.slots.b}
+            mix = token_mix(adapters.slots, adapters.token_slots)
+            active = on_any_shard(jnp.any(adapters.token_slots > 0))
         inv_freq = rope_inv_freq(cfg)
         scale = cfg.head_dim**-0.5
         num_tokens = x.shape[0]
 
         def layer(carry, w):
             x, cache, i = carry
+
+            def project(h, name):  # a projection, and its adapter term when serving adapters
+                if adapters is None:
+                    return linear(h, w[name])
+                lora = LoraTerm(w["adapters"]["a"][name], w["adapters"]["b"][name], mix, active)
+                return linear(h, w[name], lora)
+
             h = rms_norm(x, w["input_norm"], cfg.rms_norm_eps)
-            q, k, v = linear(h, w["q_proj"]), linear(h, w["k_proj"]), linear(h, w["v_proj"])
+            q, k, v = project(h, "q_proj"), project(h, "k_proj"), project(h, "v_proj")
             if cfg.attention_bias:
                 q, k, v = q + w["q_bias"], k + w["k_bias"], v + w["v_bias"]
             q = apply_rope(q.reshape(num_tokens, cfg.num_heads, cfg.head_dim), positions, inv_freq)
@@ -115,10 +129,10 @@ class DecoderLayers(nnx.Module):
             v = v.reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim)
             cache = write_kv(cache, i, metadata.slot_mapping, k, v)
             attn = paged_attention(q, cache, i, positions, metadata, scale)
-            x = x + linear(attn.reshape(num_tokens, -1), w["o_proj"])
+            x = x + project(attn.reshape(num_tokens, -1), "o_proj")
             h = rms_norm(x, w["post_norm"], cfg.rms_norm_eps)
-            gated = jax.nn.silu(linear(h, w["gate_proj"])) * linear(h, w["up_proj"])
-            x = x + linear(gated, w["down_proj"])
+            gated = jax.nn.silu(project(h, "gate_proj")) * project(h, "up_proj")
+            x = x + project(gated, "down_proj")
             return (x, cache, i + 1), None
 
         (x, kv_cache, _), _ = scan_layers(layer, (x, kv_cache, jnp.int32(0)), weights)
@@ -142,9 +156,10 @@ class LlamaForCausalLM(nnx.Module):
         positions: jax.Array,  # i32[num_tokens]
         kv_cache: KVCache,
         metadata: AttentionMetadata,
+        adapters: AdapterBatch | None = None,  # LoRA: the slots and each token's
     ) -> tuple[jax.Array, KVCache]:  # f32[num_logits, vocab], cache
         x = self.embed[...][token_ids]
-        x, kv_cache = self.layers(x, positions, kv_cache, metadata)
+        x, kv_cache = self.layers(x, positions, kv_cache, metadata, adapters)
         x = rms_norm(x[metadata.logits_indices], self.norm[...], self.config.rms_norm_eps)
         # tied: the embedding's transpose, unless a packed copy was added (weights.py)
         head = self.lm_head.get_value() if hasattr(self, "lm_head") else self.embed[...].T
