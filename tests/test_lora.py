@@ -13,12 +13,7 @@ from lora_adapters import save_random_adapter
 
 from jaxserve.checkpoint.adapter import AdapterError, load_adapter
 from jaxserve.checkpoint.weights import load_model, open_checkpoint
-from jaxserve.device.adapters import (
-    AdapterBatch,
-    init_adapter_slots,
-    jit_write_slot,
-    slot_weights,
-)
+from jaxserve.device.adapters import AdapterBatch, SlotStore
 from jaxserve.device.batch import pack_step
 from jaxserve.device.kv_cache import init_kv_cache
 from jaxserve.device.step import forward
@@ -48,10 +43,10 @@ def test_rows_of_different_adapters_match_peft_in_one_step(kind, tmp_path):
                                          rslora=rslora)
         references.append(peft_model)
         adapters.append(load_adapter(f"a{i}", tmp_path / f"a{i}", cfg, max_rank=64))
-    slots = init_adapter_slots(cfg, num_slots=4, max_rank=64)
-    write = jit_write_slot()
+    store = SlotStore(cfg, num_slots=4, rank=64)
     for slot, adapter in zip((3, 1, 4), adapters):  # slots out of order; slot 2 stays empty
-        slots = write(slots, np.int32(slot), *slot_weights(adapter, cfg, 64))
+        store.write(slot, adapter)
+    slots = store.slots()
 
     rng = np.random.default_rng(1)
     prompts = [rng.integers(0, cfg.vocab_size, n).tolist() for n in (5, 9, 3, 7)]
@@ -110,3 +105,24 @@ def test_adapters_the_engine_cannot_serve_are_refused(config, tensors, message, 
         load_adapter("x", _adapter_dir(tmp_path, config, tensors), cfg, max_rank=16)
     with pytest.raises(AdapterError, match="not a PEFT adapter directory"):
         load_adapter("x", tmp_path / "base", cfg, max_rank=16)
+
+
+@pytest.mark.parametrize("rank", [8, 16, 24])
+def test_a_packed_slot_write_repacks_exactly_the_tiles_it_changes(rank, tmp_path):
+    """Slots packed for a bf16 kernel are repacked tile by tile when one is written: the
+    result must equal packing the whole host copy, whatever the rank's alignment to the
+    tiles (16 output columns of A, 32 input rows of B)."""
+    from jaxserve.cpu_kernels.linear import pack
+
+    base_dir = tmp_path / "base"
+    save_random_model("llama-gqa-tied", base_dir)
+    cfg = open_checkpoint(base_dir).config
+    save_random_adapter(base_dir, tmp_path / "a", rank, "all-linear", seed=0)
+    save_random_adapter(base_dir, tmp_path / "b", rank, ["q_proj", "down_proj"], seed=1)
+    a, b = (load_adapter(n, tmp_path / n, cfg, max_rank=rank) for n in "ab")
+    store = SlotStore(cfg, num_slots=3, rank=rank, backend="avx512_bf16", passes=1)
+    for slot, adapter in ((2, a), (1, b), (3, a), (2, None), (1, a)):
+        store.write(slot, adapter)
+        for name, stack in store.host.items():
+            np.testing.assert_array_equal(np.asarray(store.placed[name].values), pack(stack))
+    assert store.scale.tolist() == [a.scale, 0.0, a.scale]

@@ -566,7 +566,7 @@ def _engine_check(model_dir: Path, tp: int, dp: int, kv_dtype: str = "auto",
             o.token_ids for o in alone]
         slots = llm.runner.adapter_slots
         result["slot_specs"] = {"q_proj_b": list(slots.b["q_proj"].sharding.spec),
-                                "o_proj_a": list(slots.a["o_proj"].sharding.spec)}
+                                "o_proj_a": list(slots.a["o"].sharding.spec)}
     return result
 
 

@@ -26,12 +26,7 @@ import numpy as np
 from flax import nnx
 
 from jaxserve.checkpoint.adapter import Adapter
-from jaxserve.device.adapters import (
-    init_adapter_slots,
-    jit_write_slot,
-    slot_shardings,
-    slot_weights,
-)
+from jaxserve.device.adapters import SlotStore, slot_axes
 from jaxserve.device.attention import select_backend
 from jaxserve.device.batch import pack_step
 from jaxserve.device.kv_cache import KV_STORAGE, SCALED, init_kv_cache, storage_name
@@ -44,6 +39,7 @@ from jaxserve.host.page_allocator import NULL_PAGE
 from jaxserve.host.plan import Chunk, StepPlan
 from jaxserve.host.results import RESULT_WIDTH, StepOutput
 from jaxserve.models import param_axes
+from jaxserve.models.layers import PackedWeight
 
 log = logging.getLogger(__name__)
 
@@ -147,17 +143,22 @@ class ModelRunner:
         self.penalties = init_penalty_state(
             self.num_shards * (num_rows + 1) - 1, cfg.vocab_size
         )
-        self.adapter_slots = None
+        self.adapter_store = self.adapter_slots = None
         if adapter_slots is not None:
             if jax.process_count() > 1:
                 raise ValueError("LoRA adapters are not served across processes yet")
-            slots = init_adapter_slots(cfg, *adapter_slots)
+            # the adapters' products run as the projections do: on their kernel if packed
+            kernel = next((w for w in jax.tree.leaves(self.state, is_leaf=_is_packed)
+                           if _is_packed(w)), None)
+            self.adapter_store = SlotStore(
+                cfg, *adapter_slots, mesh, slot_axes(param_axes(cfg)),
+                *(() if kernel is None else (kernel.backend, kernel.passes)),
+            )
+            self.adapter_slots = self.adapter_store.slots()
             if self.layout is not None:
                 self.layout = dataclasses.replace(
-                    self.layout, adapters=slot_shardings(mesh, slots, param_axes(cfg))
+                    self.layout, adapters=jax.tree.map(lambda x: x.sharding, self.adapter_slots)
                 )
-            self.adapter_slots = jax.device_put(slots, self.layout and self.layout.adapters)
-            self._write_slot = jit_write_slot(self.layout and self.layout.adapters)
         if self.layout is not None:
             # a no-op for weights loaded into their shardings (loader.load with the mesh)
             self.state = jax.device_put(self.state, self.layout.state)
@@ -189,10 +190,8 @@ class ModelRunner:
 
     def write_adapter(self, slot: int, adapter: Adapter | None) -> None:
         """Put `adapter` (None: zeros) into device slot `slot` (1-based)."""
-        a, b, scale = slot_weights(adapter, self.config, self.adapter_slots.max_rank)
-        before = _COMPILES.count
-        self.adapter_slots = self._write_slot(self.adapter_slots, np.int32(slot), a, b, scale)
-        self._count_compiles(before, (0, 0))
+        self.adapter_store.write(slot, adapter)
+        self.adapter_slots = self.adapter_store.slots()
 
     def _score_chunk(self, chunk: Chunk) -> StepOutput:
         """Prompt logprobs of a prefill chunk, one row per token (see `step.score`),
@@ -315,8 +314,6 @@ class ModelRunner:
         """
         context = self.max_pages * self.page_size if worst_case else 0
         buckets = self.buckets.buckets()
-        if self.adapter_slots is not None:
-            self.write_adapter(1, None)  # compiles the slot write (slot 1 stays empty)
         total = len(self.buckets.token_sizes) + len(buckets)
         began = time.perf_counter()
         done = 0
@@ -365,6 +362,10 @@ class ModelRunner:
             if worst <= fraction * tpot_slo_s:
                 best = seqs
         return best
+
+
+def _is_packed(x: object) -> bool:
+    return isinstance(x, PackedWeight)
 
 
 def _concatenate(packs: list) -> object:

@@ -5,8 +5,8 @@ nowhere else: a plain [in, out] array (in the serving dtype, or another float dt
 on the fly), or a `QuantizedWeight` (int8 or fp8 values with one scale per output column,
 dequantized on the fly), or a `PackedWeight` (bf16 packed for a CPU kernel, AMX or
 AVX512-BF16, which reads it in place). Another storage format (grouped int4) is another
-case here; model code does not change. A LoRA adapter's term (`LoraTerm`) is added here
-too, so every projection an adapter may target gets it the same way. A layer scan goes
+case here; model code does not change. LoRA adapters' terms (`lora_terms`) are computed
+here too, so every projection an adapter may target gets them the same way. A layer scan goes
 through `scan_layers`, which hands a packed stack to the kernel whole, with the layer's
 index.
 """
@@ -51,51 +51,68 @@ class PackedWeight:
     layer: jax.Array | None = None  # i32[]
 
 
+def linear(x: jax.Array, w: jax.Array | QuantizedWeight | PackedWeight) -> jax.Array:
+    """x @ w for x [..., in] and a weight [in, out] in any storage, in x's dtype."""
+    if isinstance(w, PackedWeight):
+        return packed_linear(x.astype(jnp.float32), w.values, w.layer, w.backend, w.passes
+                             ).astype(x.dtype)
+    if isinstance(w, QuantizedWeight):
+        return (x @ w.values.astype(x.dtype)) * w.scale.astype(x.dtype)
+    return x @ w.astype(x.dtype)
+
+
 @jax.tree_util.register_dataclass
 @dataclass(frozen=True, slots=True)
-class LoraTerm:
-    """One layer's adapter slots for one projection, and each token's weight on their rank
-    columns (device/adapters.py): the term x @ a × mix @ b that LoRA adds."""
+class LoraGroup:
+    """One layer's LoRA adapter slots for projections that read the same input (their A's
+    side by side in one, each one's B), and each token's weight on the slots' rank
+    columns (device/adapters.py)."""
 
-    a: jax.Array  # f32[in, slots × rank]
-    b: jax.Array  # f32[slots × rank, out]
-    mix: jax.Array  # f32[num_tokens, slots × rank]
+    a: jax.Array | PackedWeight  # f32[in, members × width] (or packed)
+    b: tuple[jax.Array | PackedWeight, ...]  # each f32[width, out] (or packed)
+    mix: jax.Array  # f32[num_tokens, width]
     active: jax.Array  # bool[]: some token of the step has an adapter
 
 
-def linear(x: jax.Array, w: jax.Array | QuantizedWeight | PackedWeight,
-           lora: LoraTerm | None = None) -> jax.Array:
-    """x @ w for x [num_tokens, in] and a weight [in, out] in any storage, in x's dtype,
-    plus the tokens' adapter terms if `lora` is given (skipped in a step without one)."""
-    if isinstance(w, PackedWeight):
-        y = packed_linear(x.astype(jnp.float32), w.values, w.layer, w.backend, w.passes
-                          ).astype(x.dtype)
-    elif isinstance(w, QuantizedWeight):
-        y = (x @ w.values.astype(x.dtype)) * w.scale.astype(x.dtype)
-    else:
-        y = x @ w.astype(x.dtype)
-    if lora is None:
-        return y
+def lora_terms(x: jax.Array, group: LoraGroup) -> list[jax.Array]:
+    """Each projection's adapter term (x @ A × mix) @ B, in x's dtype: one matmul by the
+    group's A, one by each B; zeros, without computing them, in a step where no token
+    has an adapter."""
+    def outputs(b):
+        return b.values.shape[-4] * 16 if isinstance(b, PackedWeight) else b.shape[-1]
 
-    def term(x):
-        return (((x.astype(jnp.float32) @ lora.a) * lora.mix) @ lora.b).astype(y.dtype)
+    def terms(x):
+        xa = jnp.split(linear(x.astype(jnp.float32), group.a), len(group.b), axis=-1)
+        return [linear(part * group.mix, b).astype(x.dtype) for part, b in zip(xa, group.b)]
 
-    return y + jax.lax.cond(lora.active, term, lambda x: jnp.zeros_like(y), x)
+    def zeros(x):
+        return [jnp.zeros((*x.shape[:-1], outputs(b)), x.dtype) for b in group.b]
+
+    return jax.lax.cond(group.active, terms, zeros, x)
 
 
 def scan_layers(body, carry, weights: dict):
     """jax.lax.scan of body(carry, one layer's weights) over weights stacked on a leading
-    [num_layers] axis; a PackedWeight is passed whole, with the layer's index."""
-    packed = {name: w for name, w in weights.items() if isinstance(w, PackedWeight)}
-    sliced = {name: w for name, w in weights.items() if name not in packed}
-    num_layers = jax.tree.leaves(weights)[0].shape[0]
+    [num_layers] axis (a nested dict too); a PackedWeight is passed whole, with the layer's
+    index."""
+    sliced = jax.tree.map(lambda w: None if isinstance(w, PackedWeight) else w, weights,
+                          is_leaf=_is_packed)
+    num_layers = jax.tree.leaves(sliced)[0].shape[0]
 
     def step(carry, xs):
         i, layer = xs
-        at_layer = {n: PackedWeight(w.values, w.backend, w.passes, i) for n, w in packed.items()}
-        return body(carry, {**layer, **at_layer})
+
+        def at_layer(whole, sliced):
+            return PackedWeight(whole.values, whole.backend, whole.passes, i) if (
+                isinstance(whole, PackedWeight)) else sliced
+
+        return body(carry, jax.tree.map(at_layer, weights, layer, is_leaf=_is_packed))
 
     return jax.lax.scan(step, carry, (jnp.arange(num_layers, dtype=jnp.int32), sliced))
+
+
+def _is_packed(x: object) -> bool:
+    return isinstance(x, PackedWeight)
 
 
 def quantize(w: np.ndarray | jax.Array, weight_dtype: str) -> QuantizedWeight:

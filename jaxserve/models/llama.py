@@ -14,12 +14,12 @@ import numpy as np
 from flax import nnx
 
 from jaxserve.config import ModelConfig
-from jaxserve.device.adapters import AdapterBatch, token_mix
+from jaxserve.device.adapters import GROUPS, AdapterBatch, token_mix
 from jaxserve.device.attention import AttentionMetadata, paged_attention
 from jaxserve.device.kv_cache import KVCache, write_kv
 from jaxserve.device.sharding import on_any_shard
 from jaxserve.models.interface import ModelSpec, WeightRule, register_model
-from jaxserve.models.layers import LoraTerm, linear, scan_layers
+from jaxserve.models.layers import LoraGroup, linear, lora_terms, scan_layers
 
 
 def rope_inv_freq(config: ModelConfig) -> np.ndarray:
@@ -112,14 +112,17 @@ class DecoderLayers(nnx.Module):
         def layer(carry, w):
             x, cache, i = carry
 
-            def project(h, name):  # a projection, and its adapter term when serving adapters
+            def project(h, group):  # projections of one input, adapter terms added if served
+                ys = [linear(h, w[name]) for name in GROUPS[group]]
                 if adapters is None:
-                    return linear(h, w[name])
-                lora = LoraTerm(w["adapters"]["a"][name], w["adapters"]["b"][name], mix, active)
-                return linear(h, w[name], lora)
+                    return ys
+                slots = w["adapters"]
+                lora = LoraGroup(slots["a"][group], tuple(slots["b"][n] for n in GROUPS[group]),
+                                 mix, active)
+                return [y + term for y, term in zip(ys, lora_terms(h, lora))]
 
             h = rms_norm(x, w["input_norm"], cfg.rms_norm_eps)
-            q, k, v = project(h, "q_proj"), project(h, "k_proj"), project(h, "v_proj")
+            q, k, v = project(h, "qkv")
             if cfg.attention_bias:
                 q, k, v = q + w["q_bias"], k + w["k_bias"], v + w["v_bias"]
             q = apply_rope(q.reshape(num_tokens, cfg.num_heads, cfg.head_dim), positions, inv_freq)
@@ -129,10 +132,12 @@ class DecoderLayers(nnx.Module):
             v = v.reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim)
             cache = write_kv(cache, i, metadata.slot_mapping, k, v)
             attn = paged_attention(q, cache, i, positions, metadata, scale)
-            x = x + project(attn.reshape(num_tokens, -1), "o_proj")
+            (o,) = project(attn.reshape(num_tokens, -1), "o")
+            x = x + o
             h = rms_norm(x, w["post_norm"], cfg.rms_norm_eps)
-            gated = jax.nn.silu(project(h, "gate_proj")) * project(h, "up_proj")
-            x = x + project(gated, "down_proj")
+            gate, up = project(h, "gate_up")
+            (down,) = project(jax.nn.silu(gate) * up, "down")
+            x = x + down
             return (x, cache, i + 1), None
 
         (x, kv_cache, _), _ = scan_layers(layer, (x, kv_cache, jnp.int32(0)), weights)
