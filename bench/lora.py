@@ -5,7 +5,8 @@
         [--out bench/results/lora.json]
 
 Two servers run at once (one is idle while the other is measured), both `jaxserve serve`
-on the same model at its defaults:
+on the same model at its defaults but --no-prefix-cache (every run sends the same
+prompts: with a cache, a run would reuse the pages of the runs before it, unevenly):
 - base: no adapters.
 - lora: --adapters random PEFT adapters of rank --rank on all seven projections (written
   here with numpy, A and B ~ N(0, 0.02²), lora_alpha = rank), --max-loras as many.
@@ -15,9 +16,11 @@ Conditions, through bench/serve.py's client (streamed, closed loop at --concurre
 - lora-base: the lora server, every request to the base model (what serving adapters
   costs a step in which no row uses one);
 - lora-mix: the lora server, the requests taking the adapters in turn.
---repeats R runs the conditions R times, in forward then reverse order (the machine's
-drift reaches each alike), and reports medians. The ratio that the LoRA issue bounds is
-base ÷ lora-mix in output tokens/s (≤ 1.3).
+--repeats R runs the conditions R times, in forward then reverse order (base, lora-mix,
+lora-base, then back: base and lora-mix always side by side, so the machine's drift
+reaches both alike), and reports medians. The ratio that the LoRA issue bounds is base ÷
+lora-mix in output tokens/s (≤ 1.3): the median of each repeat's own ratio, beside the
+ratio of the medians.
 
 Writes the JSON (the machine, the commands, every repeat, the medians), a markdown table
 and a plot beside --out.
@@ -51,6 +54,7 @@ from jaxserve.config import ModelConfig
 ROOT = Path(__file__).resolve().parents[1]
 GGUF = ROOT / "checkpoints" / "SmolLM2-135M-Instruct.Q4_1.gguf"
 CONDITIONS = ("base", "lora-base", "lora-mix")
+ORDER = ("base", "lora-mix", "lora-base")  # base and lora-mix side by side, both ways
 METRICS = (("output tok/s", "output_tokens_per_s", None), ("TTFT p50 ms", "ttft_ms", "p50"),
            ("TPOT p50 ms", "tpot_ms", "p50"), ("TPOT p95 ms", "tpot_ms", "p95"))
 
@@ -82,8 +86,10 @@ def command(model: Path, port: int, adapters: list[tuple[str, Path]], rank: int,
             extra: str) -> list[str]:
     lora = [arg for name, path in adapters for arg in ("--lora", f"{name}={path}")]
     slots = ["--max-loras", str(len(adapters)), "--max-lora-rank", str(rank)] if adapters else []
+    # no prefix cache: every run sends the same prompts, and a cache would serve them
+    # from pages kept by the run before (one pool holds both lora conditions' pages)
     return [sys.executable, "-m", "jaxserve.cli", "serve", "--model", str(model),
-            "--port", str(port), "--max-model-len", "1024", *lora, *slots,
+            "--port", str(port), "--max-model-len", "1024", "--no-prefix-cache", *lora, *slots,
             "--compilation-cache-dir", str(ROOT / ".cache" / "jax"), *shlex.split(extra)]
 
 
@@ -92,7 +98,7 @@ def figure(report: dict, key: str, pct: str | None) -> float | None:
 
 
 def markdown(report: dict) -> str:
-    med = report["medians"]
+    med, ratios = report["medians"], report["repeat_ratios_base_over_mix_tokens_per_s"]
     rows = [[label, *(fmt(figure(med[c], key, pct)) for c in CONDITIONS),
              fmt(figure(med["base"], key, pct) / figure(med["lora-mix"], key, pct), 2)]
             for label, key, pct in METRICS]
@@ -106,6 +112,9 @@ def markdown(report: dict) -> str:
         f"{report['repeats']}",
         "",
         markdown_table(["metric", *CONDITIONS, "base ÷ lora-mix"], rows),
+        "",
+        "base ÷ lora-mix in output tok/s, repeat by repeat: "
+        + ", ".join(fmt(r, 2) for r in ratios) + f" (median {fmt(statistics.median(ratios), 2)})",
         "",
     ])
 
@@ -152,14 +161,14 @@ def main() -> None:
                         prompt_tokens=Lengths(100, 300), output_tokens=Lengths(128, 128))
     model = args.model.stem
     runs: dict[str, list[dict]] = {c: [] for c in CONDITIONS}
-    logs = {s: args.out.with_name(f"lora-{s}-server.log") for s in ports}
+    logs = {s: ROOT / ".cache" / "lora" / f"{s}-server.log" for s in ports}
     url = {s: f"http://127.0.0.1:{p}" for s, p in ports.items()}
     with server_process(commands["base"], url["base"] + "/health", logs["base"], cwd=ROOT,
                         env=dict(os.environ)), \
          server_process(commands["lora"], url["lora"] + "/health", logs["lora"], cwd=ROOT,
                         env=dict(os.environ)):
         for repeat in range(args.repeats):
-            order = CONDITIONS if repeat % 2 == 0 else CONDITIONS[::-1]
+            order = ORDER if repeat % 2 == 0 else ORDER[::-1]
             for condition in order:
                 server = "base" if condition == "base" else "lora"
                 names = ",".join(n for n, _ in adapters) if condition == "lora-mix" else model
@@ -185,6 +194,9 @@ def main() -> None:
         "runs": runs, "medians": medians,
         "ratio_base_over_mix_tokens_per_s": (medians["base"]["output_tokens_per_s"]
                                              / medians["lora-mix"]["output_tokens_per_s"]),
+        "repeat_ratios_base_over_mix_tokens_per_s": [
+            b["output_tokens_per_s"] / m["output_tokens_per_s"]
+            for b, m in zip(runs["base"], runs["lora-mix"])],
     }
     report["plot"] = plot(report, args.out.with_suffix(".png"))
     write_json(args.out, report)
