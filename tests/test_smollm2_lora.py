@@ -21,10 +21,12 @@ NEW_TOKENS = 32
 # name: (rank, targets, rsLoRA)
 ADAPTERS = {"r8": (8, ["q_proj", "v_proj", "down_proj"], False),
             "r64": (64, "all-linear", True)}
-# The base model alone differs from transformers by up to 2e-3 in its logits here
-# (tests/test_smollm2_vs_transformers.py: the same f32 weights, another summation order,
-# over 30 layers); the adapters must add nothing to that.
-ATOL = 2e-3
+# The issue asks 1e-4. Measured on a Zen 5 (the 5 reference prompts): with these adapters
+# 0.6-2.2e-4 from peft; the base model alone is 0.7-1.4e-4 from transformers here (the
+# same f32 weights summed in another order over 30 layers; tests/test_smollm2_vs_
+# transformers.py allows it 2e-3), so the gap is the base model's own. Bound: what was
+# measured, with room for another CPU's summation order; the tiny models' test holds 1e-4.
+ATOL = 5e-4
 
 
 def hf_model(gguf: Path):
