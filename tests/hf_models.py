@@ -52,3 +52,16 @@ def save_random_model(kind: str, path: Path, seed: int = 0) -> torch.nn.Module:
     model.eval()
     model.save_pretrained(path, safe_serialization=True)
     return model
+
+
+def hf_greedy(model, ids: list[int], n: int) -> list[int]:
+    """Plain argmax continuation with a KV cache (EOS does not stop it)."""
+    out, past, step_ids = [], None, torch.tensor([ids])
+    with torch.no_grad():
+        for _ in range(n):
+            result = model(step_ids, past_key_values=past, use_cache=True)
+            past = result.past_key_values
+            token = int(result.logits[0, -1].argmax())
+            out.append(token)
+            step_ids = torch.tensor([[token]])
+    return out

@@ -10,6 +10,7 @@ import peft
 import pytest
 import torch
 import transformers
+from hf_models import hf_greedy
 
 from jaxserve import LLM, SamplingParams
 
@@ -60,18 +61,6 @@ def llm(smollm2_gguf, references):
     return LLM(model=smollm2_gguf, max_batch=8, num_pages=256, weight_dtype="f32",
                max_loras=2, max_lora_rank=64,
                lora={name: path for name, (_, path) in references.items()})
-
-
-def hf_greedy(model, ids: list[int], n: int) -> list[int]:
-    out, past, step_ids = [], None, torch.tensor([ids])
-    with torch.no_grad():
-        for _ in range(n):
-            result = model(step_ids, past_key_values=past, use_cache=True)
-            past = result.past_key_values
-            token = int(result.logits[0, -1].argmax())
-            out.append(token)
-            step_ids = torch.tensor([[token]])
-    return out
 
 
 @pytest.mark.slow

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
+from hf_models import hf_greedy
 
 from jaxserve import LLM, SamplingParams
 
@@ -29,19 +30,6 @@ def hf_model(smollm2_gguf):
 def llm(smollm2_gguf):
     # f32: the exactness under test (auto serves bf16 on a CPU with AMX)
     return LLM(model=smollm2_gguf, max_batch=8, num_pages=128, weight_dtype="f32")
-
-
-def hf_greedy(model, ids: list[int], n: int) -> list[int]:
-    """Plain argmax continuation with a KV cache (EOS does not stop it)."""
-    out, past, step_ids = [], None, torch.tensor([ids])
-    with torch.no_grad():
-        for _ in range(n):
-            result = model(step_ids, past_key_values=past, use_cache=True)
-            past = result.past_key_values
-            token = int(result.logits[0, -1].argmax())
-            out.append(token)
-            step_ids = torch.tensor([[token]])
-    return out
 
 
 def test_prompt_logits_match(llm, hf_model):
