@@ -39,7 +39,7 @@ from jaxserve.host.page_allocator import NULL_PAGE
 from jaxserve.host.plan import Chunk, StepPlan
 from jaxserve.host.results import RESULT_WIDTH, StepOutput
 from jaxserve.models import param_axes
-from jaxserve.models.layers import PackedWeight
+from jaxserve.models.layers import is_packed
 
 log = logging.getLogger(__name__)
 
@@ -148,8 +148,8 @@ class ModelRunner:
             if jax.process_count() > 1:
                 raise ValueError("LoRA adapters are not served across processes yet")
             # the adapters' products run as the projections do: on their kernel if packed
-            kernel = next((w for w in jax.tree.leaves(self.state, is_leaf=_is_packed)
-                           if _is_packed(w)), None)
+            kernel = next((w for w in jax.tree.leaves(self.state, is_leaf=is_packed)
+                           if is_packed(w)), None)
             self.adapter_store = SlotStore(
                 cfg, *adapter_slots, mesh, slot_axes(param_axes(cfg)),
                 *(() if kernel is None else (kernel.backend, kernel.passes)),
@@ -362,10 +362,6 @@ class ModelRunner:
             if worst <= fraction * tpot_slo_s:
                 best = seqs
         return best
-
-
-def _is_packed(x: object) -> bool:
-    return isinstance(x, PackedWeight)
 
 
 def _concatenate(packs: list) -> object:

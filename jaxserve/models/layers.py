@@ -96,7 +96,7 @@ def scan_layers(body, carry, weights: dict):
     [num_layers] axis (a nested dict too); a PackedWeight is passed whole, with the layer's
     index."""
     sliced = jax.tree.map(lambda w: None if isinstance(w, PackedWeight) else w, weights,
-                          is_leaf=_is_packed)
+                          is_leaf=is_packed)
     num_layers = jax.tree.leaves(sliced)[0].shape[0]
 
     def step(carry, xs):
@@ -106,12 +106,13 @@ def scan_layers(body, carry, weights: dict):
             return PackedWeight(whole.values, whole.backend, whole.passes, i) if (
                 isinstance(whole, PackedWeight)) else sliced
 
-        return body(carry, jax.tree.map(at_layer, weights, layer, is_leaf=_is_packed))
+        return body(carry, jax.tree.map(at_layer, weights, layer, is_leaf=is_packed))
 
     return jax.lax.scan(step, carry, (jnp.arange(num_layers, dtype=jnp.int32), sliced))
 
 
-def _is_packed(x: object) -> bool:
+def is_packed(x: object) -> bool:
+    """A PackedWeight (for jax.tree functions' is_leaf: one is not walked into)."""
     return isinstance(x, PackedWeight)
 
 
