@@ -312,8 +312,8 @@ class Server:
         """vLLM's route: serve a PEFT adapter directory as a new model name."""
         self._check_runtime_lora(request)
         req = decode(await request.read(), LoadAdapterRequest)
-        if req.lora_name == self.model_name:
-            raise APIError(400, f"{req.lora_name!r} is the base model's name",
+        if req.lora_name == self.model_name or self.client.adapter(req.lora_name):
+            raise APIError(400, f"{req.lora_name!r} is already a served model's name",
                            param="lora_name")
         loop = asyncio.get_running_loop()
         try:  # reading the weights blocks on the disk: off the event loop

@@ -86,7 +86,8 @@ def test_runtime_load_and_unload(server, adapters):
     assert status == 401 and answer["error"]["code"] == "not_admin"
     status, answer = post(load, body)
     assert status == 200 and answer["id"] == "a1" and answer["rank"] == 16
-    assert post(load, body)[1]["error"]["message"].endswith("is already loaded")
+    again = post(load, body)[1]["error"]
+    assert again["param"] == "lora_name" and "already a served model's name" in again["message"]
     first = complete(server, "a1")
     assert first not in (complete(server, MODEL), complete(server, "a0"))
     # a0, a1 and the base through 2 slots, in one burst of requests
