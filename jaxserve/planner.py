@@ -338,12 +338,29 @@ def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, kv_dty
     return round(2 * num_layers * num_kv_heads * per_head)
 
 
-def stored_weight_bytes(model: ModelShape, weight_dtype: str, dtype: str) -> int:
+def stored_weight_bytes(model: ModelShape, weight_dtype: str, dtype: str,
+                        packed: bool = False) -> int:
     """The bytes of weights jaxserve's engine holds: the projections in `weight_dtype` (with
-    an f32 scale per output column where quantized), every other parameter in `dtype`."""
+    an f32 scale per output column where quantized), every other parameter in `dtype`.
+    `packed`: the projections and the LM head packed for a bf16 CPU kernel instead
+    (cpu_kernels/linear.py: bf16, each input dimension padded to whole tiles of 32); a
+    tied model keeps its embedding for the lookup beside the packed head."""
     projections, columns = model.projection_params
-    scales = 4 * columns if weight_dtype in SCALED_WEIGHTS else 0
     rest = model.num_params - projections
+    if packed:
+        h, f = model.hidden_size, model.intermediate_size
+        q, kv = model.num_heads * model.head_dim, model.num_kv_heads * model.head_dim
+
+        def tiles(k: int) -> int:  # an input dimension, padded to whole tiles
+            return -(-k // 32) * 32
+
+        shapes = [(h, q), (h, kv), (h, kv), (q, h), (h, f), (h, f), (f, h)]
+        layer = sum(tiles(k) * n for k, n in shapes)
+        head = 2 * tiles(h) * model.vocab_size
+        if not model.tie_word_embeddings:  # the head is packed in place, not copied
+            rest -= h * model.vocab_size
+        return 2 * model.num_layers * layer + head + rest * DTYPE_BYTES[dtype]
+    scales = 4 * columns if weight_dtype in SCALED_WEIGHTS else 0
     return round(projections * DTYPE_BYTES[weight_dtype] + scales + rest * DTYPE_BYTES[dtype])
 
 

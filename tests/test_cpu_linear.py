@@ -12,7 +12,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from jaxserve import LLM, SamplingParams
+from jaxserve import LLM, SamplingParams, planner
 from jaxserve.cpu_kernels import linear
 from jaxserve.models.layers import PackedWeight
 
@@ -157,6 +157,10 @@ def test_the_engine_on_a_kernel_gives_the_tokens_of_xla_bf16(tiny_model, backend
         o.token_ids for o in xla.generate(prompts, GREEDY)]
     c = packed.config
     assert packed.weight_bytes == xla.weight_bytes + c.vocab_size * c.hidden_size * 2
+    # the planner counts the packed head (a tied model's copy) as the engine holds it
+    shape = planner.model_shape(str(tiny_model))
+    assert packed.weight_bytes == planner.stored_weight_bytes(shape, "bf16", "f32", packed=True)
+    assert xla.weight_bytes == planner.stored_weight_bytes(shape, "bf16", "f32")
 
 
 @pytest.mark.parametrize("backend", KERNELS)
