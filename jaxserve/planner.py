@@ -108,13 +108,18 @@ class ModelShape:
         return embeddings + self.num_layers * layer + self.hidden_size
 
     @property
+    def projection_shapes(self) -> list[tuple[int, int]]:
+        """(in, out) of one layer's q, k, v, o, gate, up and down projections."""
+        h, f = self.hidden_size, self.intermediate_size
+        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        return [(h, q), (h, kv), (h, kv), (q, h), (h, f), (h, f), (f, h)]
+
+    @property
     def projection_params(self) -> tuple[int, int]:
         """(parameters, output columns) of every layer's q/k/v/o and MLP projections: what
         `--weight-dtype` quantizes, one scale per output column."""
-        h, f = self.hidden_size, self.intermediate_size
-        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        params = 2 * h * q + 2 * h * kv + 3 * h * f
-        columns = q + 2 * kv + h + 2 * f + h
+        params = sum(k * n for k, n in self.projection_shapes)
+        columns = sum(n for _, n in self.projection_shapes)
         return self.num_layers * params, self.num_layers * columns
 
 
@@ -348,14 +353,12 @@ def stored_weight_bytes(model: ModelShape, weight_dtype: str, dtype: str,
     projections, columns = model.projection_params
     rest = model.num_params - projections
     if packed:
-        h, f = model.hidden_size, model.intermediate_size
-        q, kv = model.num_heads * model.head_dim, model.num_kv_heads * model.head_dim
+        h = model.hidden_size
 
         def tiles(k: int) -> int:  # an input dimension, padded to whole tiles
             return -(-k // 32) * 32
 
-        shapes = [(h, q), (h, kv), (h, kv), (q, h), (h, f), (h, f), (f, h)]
-        layer = sum(tiles(k) * n for k, n in shapes)
+        layer = sum(tiles(k) * n for k, n in model.projection_shapes)
         head = 2 * tiles(h) * model.vocab_size
         if not model.tie_word_embeddings:  # the head is packed in place, not copied
             rest -= h * model.vocab_size

@@ -153,10 +153,6 @@ class EngineClient:
 
     # ---------------------------------------------------------------- LoRA adapters
 
-    @property
-    def serves_adapters(self) -> bool:
-        return self._llm.adapters is not None
-
     def adapters(self) -> list[Adapter]:
         """The LoRA adapters served, by name."""
         registry = self._llm.adapters
@@ -225,7 +221,7 @@ class EngineClient:
             self._engine.num_admitted,
             dict(self._engine.num_finished),  # one C-level copy: safe beside the engine thread
             len(self._streams),
-            len(self.adapters()),
+            0 if self._llm.adapters is None else len(self._llm.adapters.adapters),
             0 if s.adapter_slots is None else len(s.adapter_slots.holder),
             0 if s.adapter_slots is None else s.adapter_slots.swaps,
         )

@@ -118,7 +118,7 @@ class ModelRunner:
     ):
         """`kv_dtype` is how pages store K and V (a kv_cache.KV_STORAGE name); None: in
         `dtype`. `adapter_slots`: (slots, max rank) of LoRA adapters to serve; None: none."""
-        cfg = self.config = model.config
+        cfg = model.config
         self.graphdef, self.state = nnx.split(model)
         self.buckets = buckets
         self.page_size = page_size
