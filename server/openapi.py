@@ -489,6 +489,11 @@ def _paths() -> dict:
         for op in paths[path].values():
             op["security"] = [{}, {"bearerAuth": []}]  # a key only when the server has keys
             op["parameters"] = [tenant]
+    priority = {"name": "X-Priority", "in": "header", "required": False,
+                "description": "Lower this request to the batch class (never raises it)",
+                "schema": {"type": "string", "enum": ["interactive", "batch"]}}
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        paths[path]["post"]["parameters"] = [tenant, priority]
     return paths
 
 

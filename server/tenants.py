@@ -2,8 +2,13 @@
 
 The tenant is the API key's name (`--api-keys-file`) or, when no keys are
 configured, the `X-Tenant` header. Keys are compared in constant time.
+
+A request may lower its own priority class with the `X-Priority: batch` header (the
+gateway's batch runner does, so its requests take only spare capacity); no header
+raises a request above its key's class.
 """
 
+import dataclasses
 import hmac
 import json
 from collections import Counter
@@ -61,6 +66,9 @@ class Tenants:
 
     def identify(self, headers) -> TenantPolicy:
         """The caller's policy; 401 when keys are configured and none matches."""
+        return _demoted(self._match(headers), headers.get("X-Priority"))
+
+    def _match(self, headers) -> TenantPolicy:
         if not self.keys:
             return TenantPolicy(name=headers.get("X-Tenant", "default")[:64])
         auth = headers.get("Authorization", "")
@@ -72,6 +80,7 @@ class Tenants:
         if match is None:
             raise APIError(401, "missing or invalid API key", code="invalid_api_key")
         return match
+
 
     def check_limits(self, policy: TenantPolicy, prompt_tokens: int, max_tokens: int) -> None:
         if policy.max_output_tokens is not None and max_tokens > policy.max_output_tokens:
@@ -106,3 +115,13 @@ class Tenants:
 
     def release(self, policy: TenantPolicy, n: int) -> None:
         self.in_flight[policy.name] -= n
+
+
+def _demoted(policy: TenantPolicy, asked: str | None) -> TenantPolicy:
+    """The policy at the class `X-Priority` asks for, if that is not above its own."""
+    if asked is None:
+        return policy
+    if asked not in PRIORITY_CLASSES:
+        raise APIError(400, f"X-Priority must be one of {sorted(PRIORITY_CLASSES)}",
+                       param="X-Priority")
+    return dataclasses.replace(policy, priority=max(policy.priority, PRIORITY_CLASSES[asked]))
