@@ -16,7 +16,7 @@ test: install-test $(DEFAULT_MODEL)
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 lint: install-test
-	$(VENV)/bin/ruff check jaxserve server tests bench
+	$(VENV)/bin/ruff check jaxserve server gateway tests bench examples
 
 model: $(DEFAULT_MODEL)
 

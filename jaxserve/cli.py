@@ -121,6 +121,18 @@ def main(argv: list[str] | None = None) -> int:
 
     _plan_flags(commands.add_parser("plan", help="size a deployment: KV pool, batch, replicas"))
 
+    route = commands.add_parser(
+        "route", help="the gateway: route the OpenAI API to pools of replicas",
+        description="Serve the OpenAI API in front of pools of `jaxserve serve` replicas "
+        "named in a TOML or JSON file: routing by model and prompt length, the Batch API "
+        "on spare capacity (SQLite), guardrail checks. See examples/platform.toml.")
+    route.add_argument("--config", required=True, type=Path, help="TOML or JSON pools file")
+    route.add_argument("--spawn", action="store_true",
+                       help="also start the pools' replicas and checkers named under spawn")
+    route.add_argument("--host", help="overrides [gateway] host")
+    route.add_argument("--port", type=int, help="overrides [gateway] port")
+    route.add_argument("--batch-db", help="overrides [gateway] batch_db (the SQLite file)")
+
     args = parser.parse_args(argv)
     if args.command == "serve":
         try:  # engine flags that disagree: a usage error, before anything loads
@@ -128,7 +140,8 @@ def main(argv: list[str] | None = None) -> int:
             _connection_limits(args)
         except ValueError as err:
             serve.error(str(err))
-    run = {"generate": _generate, "convert": _convert, "serve": _serve, "plan": _plan}
+    run = {"generate": _generate, "convert": _convert, "serve": _serve, "plan": _plan,
+           "route": _route}
     return run[args.command](args)
 
 
@@ -348,6 +361,21 @@ def _serve(args: argparse.Namespace) -> int:
             engine=_engine_config(args),
         )
     )
+    return 0
+
+
+def _route(args: argparse.Namespace) -> int:
+    import dataclasses
+
+    from gateway import app, config
+
+    try:
+        cfg = config.load(args.config)
+    except (OSError, config.ConfigError) as err:
+        raise SystemExit(f"jaxserve route: {err}") from None
+    overrides = {"host": args.host, "port": args.port, "batch_db": args.batch_db}
+    cfg = dataclasses.replace(cfg, **{k: v for k, v in overrides.items() if v is not None})
+    app.run(cfg, spawn=args.spawn)
     return 0
 
 

@@ -1,0 +1,1 @@
+"""`jaxserve route`: the gateway in front of the replicas (pools, guardrails, batches)."""
