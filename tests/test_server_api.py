@@ -389,6 +389,22 @@ def test_admin_requests_lists_live_requests(server, client):
     assert http(server + "/admin/requests")[2]["data"] == []  # the dropped stream is cancelled
 
 
+def test_x_priority_lowers_a_request_to_the_batch_class(server, client):
+    stream = client.completions.create(
+        model=MODEL, prompt="Tell a long story", max_tokens=400, stream=True,
+        extra_body={"ignore_eos": True}, extra_headers={"X-Priority": "batch"})
+    try:
+        next(iter(stream))
+        (row,) = [r for r in http(server + "/admin/requests")[2]["data"]
+                  if r["tenant"] == "default"]
+        assert row["priority"] == 1
+    finally:
+        stream.close()
+    with pytest.raises(openai.BadRequestError, match="X-Priority"):
+        client.completions.create(model=MODEL, prompt="Hi", max_tokens=2,
+                                  extra_headers={"X-Priority": "urgent"})
+
+
 def test_api_keys(server):
     completion = {"model": MODEL, "prompt": "Hi", "max_tokens": 2}
     for key in (None, "sk-wrong", "Bearer", ""):
