@@ -13,7 +13,7 @@ from serving import ROOT, free_port, metric_samples, server_process
 
 
 @contextlib.contextmanager
-def running_gateway(config: dict, workdir: Path, timeout: float = 120.0,
+def running_gateway(config: dict, workdir: Path, *flags: str, timeout: float = 120.0,
                     ready: str = "/health", port: int | None = None):
     """Write `config` (JSON), start `jaxserve route` on it, wait for `ready` to answer 200
     (/health: every pool has a replica up), yield (base_url, process), SIGTERM."""
@@ -21,7 +21,7 @@ def running_gateway(config: dict, workdir: Path, timeout: float = 120.0,
     path = workdir / f"gateway-{port}.json"
     path.write_text(json.dumps(config))
     cmd = [sys.executable, "-m", "jaxserve.cli", "route", "--config", str(path),
-           "--port", str(port), "--batch-db", str(workdir / "batches.sqlite")]
+           "--port", str(port), "--batch-db", str(workdir / "batches.sqlite"), *flags]
     with tempfile.NamedTemporaryFile(prefix="gateway-", suffix=".log", delete=False) as log:
         log_path = Path(log.name)
     url = f"http://127.0.0.1:{port}"

@@ -165,6 +165,40 @@ def test_a_replicas_429_passes_through_with_retry_after(gateway, replicas):
         assert body["error"]["type"] == "rate_limit_error"
 
 
+def test_a_429_is_retried_once_on_a_replica_with_headroom(replicas, tmp_path):
+    a, _, c = replicas
+    # polled once, at start: both look idle to the gateway, which tries C (listed first)
+    cfg = {"gateway": {"poll_interval_s": 600}, "pools": [pool_json("p", MODEL, [c, a])]}
+    with running_gateway(cfg, tmp_path) as (gw, _):
+
+        async def run() -> tuple[int, str]:
+            async with aiohttp.ClientSession() as s:
+                async def hog() -> None:  # straight to C: its one row, then its queue
+                    body = {"model": MODEL, "prompt": "Count", "max_tokens": 480,
+                            "ignore_eos": True}
+                    async with s.post(c + "/v1/completions", json=body) as r:
+                        await r.read()
+
+                hogs = [asyncio.create_task(hog()) for _ in range(2)]
+                while samples(c)["jaxserve:num_requests_waiting"] < 1:
+                    await asyncio.sleep(0.02)
+                before = admitted(a)
+                body = {"model": MODEL, "prompt": "Hi", "max_tokens": 2}
+                async with s.post(gw + "/v1/completions", json=body) as r:
+                    status = r.status
+                to_a = admitted(a) - before
+                for h in hogs:
+                    h.cancel()
+                await asyncio.gather(*hogs, return_exceptions=True)
+                return status, to_a
+
+        status, to_a = asyncio.run(run())
+        assert (status, to_a) == (200, 1)
+        m = samples(gw)
+        assert m[f'jaxserve:gateway_requests_retried_total{{pool="p",replica="{a}"}}'] == 1
+        assert m[f'jaxserve:gateway_requests_routed_total{{pool="p",replica="{c}"}}'] == 1
+
+
 def test_a_killed_replica_is_taken_out_and_put_back(tiny_model, tmp_path):
     ports = [free_port(), free_port()]
     urls = [f"http://127.0.0.1:{p}" for p in ports]
@@ -307,3 +341,30 @@ def test_a_hanging_checker_follows_the_pools_policy(
         outcome = "failed_open" if policy == "fail_open" else "failed_closed"
         assert m[f'jaxserve:gateway_guardrail_checks_total{{check="c",kind="input",'
                  f'outcome="{outcome}"}}'] == 1
+
+
+def test_spawn_starts_the_replicas_and_checkers_and_stops_them(tiny_model, tmp_path):
+    """`jaxserve route --spawn`: the pool's replicas and its checker start with the
+    gateway, serve through it, and stop with it."""
+    port = free_port()
+    flags = [f for f in FLAGS if f not in ("--served-model-name", MODEL)]
+    cfg = {
+        "gateway": {"poll_interval_s": 0.1},
+        "pools": [{"name": "p", "model": MODEL, "replicas": [], "input_check": "c",
+                   "spawn": {"args": ["--model", str(tiny_model), *flags,
+                                      "--compilation-cache-dir", str(ROOT / ".cache" / "jax")],
+                             "count": 2}}],
+        "checks": {"c": {"url": f"http://127.0.0.1:{port}/check",
+                         "spawn": ["python", "examples/guardrail_checker.py", "--port",
+                                   str(port), "--deny", "forbidden"]}},
+    }
+    with running_gateway(cfg, tmp_path, "--spawn", timeout=300) as (gw, _):
+        urls = [r["url"] for r in get_json(gw + "/admin/pools")["pools"][0]["replicas"]]
+        assert len(urls) == 2
+        out = client(gw).completions.create(model=MODEL, prompt="Hi", max_tokens=2)
+        assert out.choices[0].finish_reason == "length"
+        with pytest.raises(openai.BadRequestError):
+            client(gw).completions.create(model=MODEL, prompt="forbidden", max_tokens=2)
+    for url in [*urls, f"http://127.0.0.1:{port}"]:
+        with pytest.raises(OSError):
+            get_json(url + "/health")
