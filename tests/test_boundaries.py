@@ -84,9 +84,25 @@ def test_the_host_side_imports_no_jax():
     assert result.stdout.strip() == "[]"
 
 
+def test_the_gateway_imports_no_engine():
+    """The gateway speaks HTTP to replicas: it loads without jax, flax or torch, and none
+    of its modules imports the engine's side (host, device, models)."""
+    check = ("import sys, gateway.app; print(sorted(m for m in sys.modules if m.split('.')[0] "
+             "in ('jax', 'jaxlib', 'flax', 'torch')))")
+    result = subprocess.run([sys.executable, "-c", check], cwd=ROOT, capture_output=True,
+                            text=True)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]"
+    engine = ("jaxserve.host", "jaxserve.device", "jaxserve.models", "jaxserve.serving",
+              "jaxserve.llm")
+    for path in files("gateway"):
+        assert not [m for m in imported_modules(path) if m.startswith(engine)], path
+
+
 def test_ruff_is_clean():
     result = subprocess.run(
-        [sys.executable, "-m", "ruff", "check", "jaxserve", "server", "tests", "bench"],
+        [sys.executable, "-m", "ruff", "check", "jaxserve", "server", "gateway", "tests",
+         "bench", "examples"],
         cwd=ROOT, capture_output=True, text=True,
     )
     assert result.returncode == 0, result.stdout + result.stderr
