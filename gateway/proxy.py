@@ -87,11 +87,26 @@ class Proxy:
         if pool.input_check is None:
             return
         verdict = await self.guardrails[pool.input_check].check(
-            input_text(body), "input", body["model"])
+            self._input_text(pool, body), "input", body["model"])
         if not verdict.allowed:
             self.metrics.refused.labels(pool.name, "input_check").inc()
             raise APIError(400, f"the request was refused by the input check: {verdict.reason}",
                            code="content_filter")
+
+    def _input_text(self, pool: PoolConfig, body: dict) -> str:
+        """What the input check reads; token-id prompts as their text, so they cannot
+        pass a check unread (a pool without a tokenizer refuses them)."""
+        prompt = body.get("prompt")
+        ids = [prompt] if isinstance(prompt, list) and all(
+            isinstance(t, int) for t in prompt) else prompt
+        if not (isinstance(ids, list) and ids and all(
+                isinstance(p, list) and all(isinstance(t, int) for t in p) for p in ids)):
+            return input_text(body)
+        tokenizer = self.router.tokenizers.get(pool.name)
+        if tokenizer is None:
+            raise APIError(400, f"pool {pool.name!r} checks its input: send the prompt as "
+                           "text (it has no tokenizer to read token ids)", param="prompt")
+        return "\n".join(tokenizer.decode(p) for p in ids)
 
     @contextlib.asynccontextmanager
     async def _upstream(

@@ -24,6 +24,8 @@ from gateways import (
 from lora_adapters import save_random_adapter
 from serving import ROOT, free_port, running_server, server_process
 
+from jaxserve.checkpoint.tokenizer import Tokenizer
+
 pytestmark = pytest.mark.slow
 
 MODEL, VARIANT = "tiny", "tiny-x"
@@ -289,13 +291,16 @@ def test_an_input_refusal_never_reaches_a_replica(replicas, tiny_model, checkers
                 model=MODEL, messages=[{"role": "user", "content": "a forbidden thing"}],
                 max_tokens=4)
         assert "matched rule" in str(refused.value)
+        ids = Tokenizer.from_dir(tiny_model).encode("so forbidden")  # read as text too
+        with pytest.raises(openai.BadRequestError, match="matched rule"):
+            client(gw).completions.create(model=MODEL, prompt=ids, max_tokens=4)
         assert [admitted(u) for u in replicas] == before
         out = client(gw).chat.completions.create(
             model=MODEL, messages=[{"role": "user", "content": "a fine thing"}], max_tokens=4)
         assert out.choices[0].finish_reason == "length"
         m = samples(gw)
         assert m['jaxserve:gateway_guardrail_checks_total{check="c",kind="input",'
-                 'outcome="refused"}'] == 1
+                 'outcome="refused"}'] == 2
 
 
 def test_an_output_refusal_ends_the_stream_with_content_filter(
