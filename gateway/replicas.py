@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import aiohttp
 
 log = logging.getLogger("jaxserve.gateway")
+PROGRESS_S = 15.0  # how often a loading replica's progress is logged
 
 # the replica's gauges the gateway reads (server/metrics.py)
 GAUGES = {
@@ -81,6 +82,15 @@ class Replica:
         }
 
 
+def _not_ready(status: int, health: object) -> str:
+    """Why a replica's /health is not 200, from its body (server/app.py's health)."""
+    if isinstance(health, dict) and health.get("status") == "loading":
+        return f"loading: {health.get('compiled')}/{health.get('buckets')} buckets compiled"
+    if isinstance(health, dict) and health.get("status"):
+        return f"/health answered {status}: {health['status']} {health.get('error', '')}".strip()
+    return f"/health answered {status}"
+
+
 def parse_gauges(text: str) -> dict[str, float]:
     """The GAUGES' values from a Prometheus text exposition (unlabelled samples)."""
     values = {}
@@ -101,6 +111,15 @@ class Poller:
         self.interval_s = interval_s
         self.on_poll = on_poll  # called with the replica after each poll (metrics)
         self._task: asyncio.Task | None = None
+        self._shown: dict[str, float] = {}  # replica URL -> when its state was last logged
+
+    def _show_progress(self, replica: Replica) -> None:
+        """A replica still loading says how far it is, every PROGRESS_S at most."""
+        now = time.monotonic()
+        if now - self._shown.get(replica.url, -PROGRESS_S) >= PROGRESS_S:
+            self._shown[replica.url] = now
+            log.info("replica %s (pool %s) not up yet: %s", replica.url, replica.pool,
+                     replica.last_error)
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._run())
@@ -124,14 +143,16 @@ class Poller:
         try:
             async with self.session.get(replica.url + "/health", timeout=timeout) as r:
                 healthy = r.status == 200
+                health = {} if healthy else await r.json(content_type=None)
             if healthy:
                 async with self.session.get(replica.url + "/metrics", timeout=timeout) as r:
                     text = await r.text() if r.status == 200 else ""
-        except (aiohttp.ClientError, TimeoutError) as e:
+        except (aiohttp.ClientError, TimeoutError, ValueError) as e:
             replica.mark_down(f"{type(e).__name__}: {e}")
         else:
             if not healthy:
-                replica.mark_down(f"/health answered {r.status}")
+                replica.mark_down(_not_ready(r.status, health))
+                self._show_progress(replica)
             else:
                 for key, value in parse_gauges(text).items():
                     setattr(replica, key, type(getattr(replica, key))(value))

@@ -104,3 +104,13 @@ def test_gauges_are_read_from_the_replicas_metrics():
             "jaxserve:kv_pages_free 120.0\njaxserve:num_requests_waiting 2.0\n"
             'jaxserve:request_success_total{finished_reason="stop"} 4.0\n')
     assert parse_gauges(text) == {"pages_free": 120.0, "waiting": 2.0}
+
+
+def test_a_loading_replica_says_how_far_it_is():
+    from gateway.replicas import _not_ready
+
+    assert _not_ready(503, {"status": "loading", "compiled": 12, "buckets": 35}) == (
+        "loading: 12/35 buckets compiled")
+    assert _not_ready(503, {"status": "failed", "error": "boom"}) == (
+        "/health answered 503: failed boom")
+    assert _not_ready(502, None) == "/health answered 502"
