@@ -30,8 +30,7 @@ from gateway.replicas import Poller, Replica
 from gateway.routing import Router
 from gateway.spawn import Spawned
 from server.connections import ConnectionLimits, Site
-from server.protocol import APIError
-from server.responses import json_response
+from server.responses import error_objects, json_response
 
 log = logging.getLogger("jaxserve.gateway")
 
@@ -101,26 +100,8 @@ class Gateway:
         return json_response({"pools": pools})
 
 
-@web.middleware
-async def _errors(request: web.Request, handler):
-    """Every error leaves as OpenAI's error object with the right status."""
-    try:
-        return await handler(request)
-    except APIError as e:
-        return json_response(e.body, e.status, e.headers)
-    except web.HTTPException as e:
-        if e.status < 400:
-            raise
-        return json_response(APIError(e.status, e.reason).body, e.status)
-    except (asyncio.CancelledError, ConnectionError):
-        raise
-    except Exception:  # one request's failure is its own 500, never the gateway's
-        log.exception("request %s %s failed", request.method, request.path)
-        return json_response(APIError(500, "the gateway failed on this request").body, 500)
-
-
 def build_app(gateway: Gateway) -> web.Application:
-    app = web.Application(middlewares=[_errors], client_max_size=64 << 20)
+    app = web.Application(middlewares=[error_objects], client_max_size=64 << 20)
     app.router.add_post("/v1/completions", lambda r: gateway.proxy.handle(r))
     app.router.add_post("/v1/chat/completions", lambda r: gateway.proxy.handle(r))
     app.router.add_get("/v1/models", gateway.models)

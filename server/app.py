@@ -35,7 +35,7 @@ from server.protocol import (
     UnloadAdapterRequest,
     decode,
 )
-from server.responses import Choice, Responder, json_response, log_request
+from server.responses import Choice, Responder, error_objects, json_response, log_request
 from server.tenants import TenantPolicy, Tenants
 
 log = logging.getLogger("jaxserve.server")
@@ -340,27 +340,9 @@ class Server:
                               "deleted": True})
 
 
-@web.middleware
-async def _errors(request: web.Request, handler):
-    """Every error leaves as OpenAI's error object with the right status."""
-    try:
-        return await handler(request)
-    except APIError as e:
-        return json_response(e.body, e.status, e.headers)
-    except web.HTTPRequestEntityTooLarge as e:
-        return json_response(APIError(413, f"request body too large ({e.text})").body, 413)
-    except web.HTTPException as e:
-        if e.status < 400:
-            raise
-        return json_response(APIError(e.status, e.reason).body, e.status)
-    except Exception:
-        log.exception("unhandled error on %s", request.path)
-        return json_response(APIError(500, "internal server error").body, 500)
-
-
 def build_app(server: Server) -> web.Application:
     read_body = read_body_within(server.config.connections.request_read_timeout_s)
-    app = web.Application(middlewares=[_errors, read_body],
+    app = web.Application(middlewares=[error_objects, read_body],
                           client_max_size=server.config.max_body_bytes)
     app.router.add_post("/v1/completions", server.completions)
     app.router.add_post("/v1/chat/completions", server.chat_completions)

@@ -226,3 +226,21 @@ def log_request(c: Choice, tenant: str, start: float) -> None:
         time.monotonic() - start,
         c.finish_reason or "cancelled",
     )
+
+
+@web.middleware
+async def error_objects(request: web.Request, handler):
+    """Every error leaves as OpenAI's error object with the right status."""
+    try:
+        return await handler(request)
+    except APIError as e:
+        return json_response(e.body, e.status, e.headers)
+    except web.HTTPRequestEntityTooLarge as e:
+        return json_response(APIError(413, f"request body too large ({e.text})").body, 413)
+    except web.HTTPException as e:
+        if e.status < 400:
+            raise
+        return json_response(APIError(e.status, e.reason).body, e.status)
+    except Exception:
+        log.exception("unhandled error on %s", request.path)
+        return json_response(APIError(500, "internal server error").body, 500)
