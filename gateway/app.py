@@ -20,6 +20,7 @@ import aiohttp
 from aiohttp import web
 
 from gateway import batch_api
+from gateway.auth import KeyCheck
 from gateway.batch_runner import BatchRunner
 from gateway.batch_store import BatchStore
 from gateway.config import GatewayConfig
@@ -59,6 +60,7 @@ class Gateway:
                              self.config.poll_interval_s, self.metrics.polled)
         await self.poller.poll_all()  # a first view before any request is routed
         self.poller.start()
+        self.keys = KeyCheck(self.poller.replicas, self.session)
         self.store = BatchStore(self.config.batch_db)
         self.runner = BatchRunner(self.store, self.proxy.send_batch, self._spare,
                                   self.config.batch_poll_s)
@@ -100,8 +102,18 @@ class Gateway:
         return json_response({"pools": pools})
 
 
+# the routes the gateway answers itself, for callers a replica would serve
+OWN_ROUTES = ("/v1/files", "/v1/batches", "/admin/")
+
+
 def build_app(gateway: Gateway) -> web.Application:
-    app = web.Application(middlewares=[error_objects], client_max_size=64 << 20)
+    @web.middleware
+    async def keys(request: web.Request, handler):
+        if request.path.startswith(OWN_ROUTES):
+            await gateway.keys.check(request.headers.get("Authorization", ""))
+        return await handler(request)
+
+    app = web.Application(middlewares=[error_objects, keys], client_max_size=64 << 20)
     app.router.add_post("/v1/completions", lambda r: gateway.proxy.handle(r))
     app.router.add_post("/v1/chat/completions", lambda r: gateway.proxy.handle(r))
     app.router.add_get("/v1/models", gateway.models)

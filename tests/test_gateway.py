@@ -4,6 +4,8 @@ the replica, 429s passed on, and guardrails (input refusals never reach a replic
 
 import asyncio
 import contextlib
+import io
+import json
 import re
 import sys
 import time
@@ -373,3 +375,33 @@ def test_spawn_starts_the_replicas_and_checkers_and_stops_them(tiny_model, tmp_p
     for url in [*urls, f"http://127.0.0.1:{port}"]:
         with pytest.raises(OSError):
             get_json(url + "/health")
+
+
+def test_the_gateways_own_routes_take_the_replicas_keys(tiny_model, tmp_path):
+    """Replicas with keys: the Batch API and /admin at the gateway want a key a replica
+    accepts; inference requests are checked by the replica itself; batch requests run
+    with the gateway's batch_api_key."""
+    with running_server(tiny_model, *FLAGS, "--api-key", "sk-replica") as (url, _):
+        cfg = {"gateway": {"poll_interval_s": 0.1, "batch_api_key": "sk-replica"},
+               "pools": [pool_json("p", MODEL, [url])]}
+        with running_gateway(cfg, tmp_path) as (gw, _):
+            def as_(key: str) -> openai.OpenAI:
+                return openai.OpenAI(base_url=gw + "/v1", api_key=key, max_retries=0,
+                                     timeout=60)
+
+            with pytest.raises(openai.AuthenticationError):
+                as_("sk-wrong").batches.list()
+            with pytest.raises(openai.AuthenticationError):
+                as_("sk-wrong").completions.create(model=MODEL, prompt="Hi", max_tokens=2)
+            good = as_("sk-replica")
+            out = good.completions.create(model=MODEL, prompt="Hi", max_tokens=2)
+            assert out.choices[0].finish_reason == "length"
+            line = {"custom_id": "a", "method": "POST", "url": "/v1/completions",
+                    "body": {"model": MODEL, "prompt": "Hi", "max_tokens": 2}}
+            upload = good.files.create(file=("in.jsonl", io.BytesIO(json.dumps(line).encode())),
+                                       purpose="batch")
+            batch = good.batches.create(input_file_id=upload.id, endpoint="/v1/completions",
+                                        completion_window="1h")
+            wait_for(lambda: good.batches.retrieve(batch.id).status == "completed", 30,
+                     "the batch ran with the gateway's key")
+            assert good.batches.retrieve(batch.id).request_counts.completed == 1
