@@ -139,6 +139,7 @@ class Sample:
     pages_used: float | None = None  # KV pages held by requests (None: /metrics unread)
     running: float | None = None
     waiting: float | None = None
+    rss_anon_mib: float | None = None  # the anonymous part of RSS (heap, XLA's buffers)
 
 
 # ---------------------------------------------------------------- pure parts
@@ -152,13 +153,14 @@ def slope_per_minute(points: list[tuple[float, float]]) -> float | None:
     return float(np.polyfit(t, v, 1)[0] * 60)
 
 
-def rss_floors(samples: list[Sample], warmup_s: float, duration_s: float, period_s: float
-               ) -> list[tuple[float, float]]:
-    """(the period's middle, the smallest RSS sampled in it) for each whole `period_s`
-    past warm-up."""
+def rss_floors(samples: list[Sample], warmup_s: float, duration_s: float, period_s: float,
+               field: str = "rss_mib") -> list[tuple[float, float]]:
+    """(the period's middle, the smallest RSS (or `field`) sampled in it) for each whole
+    `period_s` past warm-up."""
     floors = []
     for lo in np.arange(warmup_s, duration_s - period_s + 1e-9, period_s):
-        seen = [s.rss_mib for s in samples if lo <= s.t < lo + period_s]
+        seen = [getattr(s, field) for s in samples
+                if lo <= s.t < lo + period_s and getattr(s, field) is not None]
         if seen:
             floors.append((float(lo + period_s / 2), min(seen)))
     return floors
@@ -234,10 +236,13 @@ def checks(mix: Mix, events: list[Event], samples: list[Sample], idle: Sample,
     """Each acceptance check: its figures and whether it passed."""
     slope = slope_per_minute(rss_floors(samples, mix.warmup_s, mix.duration_s,
                                         mix.burst_every_s))
+    anon = slope_per_minute(rss_floors(samples, mix.warmup_s, mix.duration_s,
+                                       mix.burst_every_s, "rss_anon_mib"))
     early, late = ttft_thirds(events, mix.warmup_s, mix.duration_s)
     unexpected = [e for e in events if e.unexpected]
     return {
-        "rss": {"mib_per_min": slope, "limit": mix.max_rss_mib_per_min,
+        "rss": {"mib_per_min": slope, "anon_mib_per_min": anon,
+                "limit": mix.max_rss_mib_per_min,
                 "ok": slope is not None and slope < mix.max_rss_mib_per_min},
         "fds": {"idle": idle.fds, "final": final.fds, "ok": final.fds <= idle.fds},
         "threads": {"idle": idle.threads, "final": final.threads,
@@ -260,9 +265,9 @@ def process_sample(pid: int, t: float) -> Sample:
     status = dict(
         line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines()
     )
-    rss_kib = int(status["VmRSS"].split()[0])
+    rss_kib, anon_kib = (int(status[key].split()[0]) for key in ("VmRSS", "RssAnon"))
     return Sample(t, rss_kib / 1024, len(os.listdir(f"/proc/{pid}/fd")),
-                  int(status["Threads"]))
+                  int(status["Threads"]), rss_anon_mib=anon_kib / 1024)
 
 
 async def engine_sample(session: aiohttp.ClientSession, url: str, sample: Sample) -> Sample:
@@ -277,7 +282,8 @@ async def engine_sample(session: aiohttp.ClientSession, url: str, sample: Sample
     used = m["jaxserve:kv_pages_total"] - m["jaxserve:kv_pages_free"] - m.get(
         "jaxserve:kv_pages_cached", 0.0)
     return Sample(sample.t, sample.rss_mib, sample.fds, sample.threads, used,
-                  m["jaxserve:num_requests_running"], m["jaxserve:num_requests_waiting"])
+                  m["jaxserve:num_requests_running"], m["jaxserve:num_requests_waiting"],
+                  sample.rss_anon_mib)
 
 
 # ---------------------------------------------------------------- the load
@@ -537,7 +543,8 @@ def markdown(report: dict) -> str:
     ]
     c = report["checks"]
     verdict = [
-        ["RSS floor's slope past warm-up", f"{fmt(c['rss']['mib_per_min'], 3)} MiB/min",
+        ["RSS floor's slope past warm-up", f"{fmt(c['rss']['mib_per_min'], 3)} MiB/min "
+         f"(its anonymous part: {fmt(c['rss'].get('anon_mib_per_min'), 3)})",
          f"< {c['rss']['limit']:g}", c["rss"]["ok"]],
         ["fds idle → final", f"{c['fds']['idle']} → {c['fds']['final']}", "≤ idle",
          c["fds"]["ok"]],
