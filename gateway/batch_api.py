@@ -5,6 +5,7 @@ be given as `completeWithin`; a batch object also says whether it is `at_risk` o
 missing its deadline at its measured rate, and its `estimated_completion_at`.
 """
 
+import hashlib
 import math
 import time
 from collections.abc import Collection
@@ -33,6 +34,17 @@ def add_routes(app: web.Application, store: BatchStore, runner: BatchRunner,
     app.router.add_get("/v1/batches", api.list_batches)
     app.router.add_get("/v1/batches/{batch_id}", api.get)
     app.router.add_post("/v1/batches/{batch_id}/cancel", api.cancel)
+
+
+def owner(request: web.Request) -> str:
+    return owner_of(request.headers.get("Authorization", ""))
+
+
+def owner_of(authorization: str) -> str:
+    """Who is asking, as the store keeps it: a digest of the API key (never the key), or ""
+    for callers with none. Each key sees only its own files and batches, as each OpenAI
+    organization does."""
+    return hashlib.sha256(authorization.encode()).hexdigest()[:32] if authorization else ""
 
 
 def file_object(f: StoredFile) -> dict:
@@ -100,7 +112,8 @@ class _BatchAPI:
             raise APIError(400, "no file in the form", param="file")
         if purpose != "batch":
             raise APIError(400, f"purpose must be 'batch', not {purpose!r}", param="purpose")
-        return json_response(file_object(self.store.create_file(content, filename, purpose)))
+        return json_response(file_object(
+            self.store.create_file(content, filename, purpose, owner(request))))
 
     async def list_files(self, request: web.Request) -> web.Response:
         limit = _limit(request, 10_000, 10_000)
@@ -108,14 +121,15 @@ class _BatchAPI:
         if order not in ("asc", "desc"):
             raise APIError(400, "order must be 'asc' or 'desc'", param="order")
         files = self.store.list_files(request.query.get("purpose"), request.query.get("after"),
-                                      limit + 1, newest_first=order == "desc")
+                                      limit + 1, newest_first=order == "desc",
+                                      owner=owner(request))
         return json_response(_page([file_object(f) for f in files], limit))
 
     async def get_file(self, request: web.Request) -> web.Response:
-        return json_response(file_object(self._file(request.match_info["file_id"])))
+        return json_response(file_object(self._file(request)))
 
     async def file_content(self, request: web.Request) -> web.Response:
-        file = self._file(request.match_info["file_id"])
+        file = self._file(request)
         return web.Response(body=self.store.file_content(file.id),
                             content_type="application/octet-stream")
 
@@ -138,28 +152,31 @@ class _BatchAPI:
             raise APIError(400, "completion_window and completeWithin disagree",
                            param="completeWithin")
         batch = self.store.create_batch(req["input_file_id"], req["endpoint"], window,
-                                        _metadata(req.get("metadata")), self.models)
+                                        _metadata(req.get("metadata")), self.models,
+                                        owner(request))
         return json_response(batch_object(batch, time.time()))
 
     async def list_batches(self, request: web.Request) -> web.Response:
         limit = _limit(request, 20, 100)
-        batches = self.store.list_batches(request.query.get("after"), limit + 1)
+        batches = self.store.list_batches(request.query.get("after"), limit + 1,
+                                          owner(request))
         now = time.time()
         return json_response(_page([batch_object(b, now) for b in batches], limit))
 
     async def get(self, request: web.Request) -> web.Response:
         batch_id = request.match_info["batch_id"]
-        batch = self.store.get_batch(batch_id)
+        batch = self.store.get_batch(batch_id, owner(request))
         if batch is None:
             raise APIError(404, f"no batch {batch_id!r}", param="batch_id")
         return json_response(batch_object(batch, time.time()))
 
     async def cancel(self, request: web.Request) -> web.Response:
-        batch = self.runner.cancel(request.match_info["batch_id"])
+        batch = self.runner.cancel(request.match_info["batch_id"], owner(request))
         return json_response(batch_object(batch, time.time()))
 
-    def _file(self, file_id: str) -> StoredFile:
-        file = self.store.get_file(file_id)
+    def _file(self, request: web.Request) -> StoredFile:
+        file_id = request.match_info["file_id"]
+        file = self.store.get_file(file_id, owner(request))
         if file is None:
             raise APIError(404, f"no file {file_id!r}", param="file_id")
         return file

@@ -65,10 +65,10 @@ class BatchRunner:
         for key in stopped:
             self._store.requeue(key)
 
-    def cancel(self, batch_id: str) -> Batch:
-        """Cancel a batch: nothing more of it starts; it ends `cancelled` once its running
-        requests have finished (at once when none is running)."""
-        batch = self._store.cancel(batch_id)
+    def cancel(self, batch_id: str, owner: str | None = None) -> Batch:
+        """Cancel a batch (`owner`'s, when given): nothing more of it starts; it ends
+        `cancelled` once its running requests have finished (at once when none is)."""
+        batch = self._store.cancel(batch_id, owner)
         if batch.status == "cancelling" and not batch.counts.remaining:
             self._store.finalize(batch_id)
             batch = self._store.get_batch(batch_id)

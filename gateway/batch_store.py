@@ -8,6 +8,9 @@ takes one), so an output file never holds a custom_id twice; on open, requests l
 results are kept. WAL with synchronous=NORMAL survives a process crash; a power cut
 may undo the last commits, whose requests then simply run again.
 
+Files and batches have an owner (the API layer's name for the caller's key): a caller
+sees, uses and cancels only its own, and a batch's output files are its owner's.
+
 A request's state: pending → running → done (any HTTP answer) or failed (the gateway
 could not get one); running → pending (refused, or the runner stopped); pending or
 running → expired (the deadline passed); pending → cancelled.
@@ -40,7 +43,8 @@ CREATE TABLE IF NOT EXISTS files (
     filename TEXT NOT NULL,
     bytes INTEGER NOT NULL,
     created_at REAL NOT NULL,
-    content BLOB NOT NULL
+    content BLOB NOT NULL,
+    owner TEXT NOT NULL DEFAULT ''  -- who uploaded it (or whose batch wrote it)
 );
 CREATE TABLE IF NOT EXISTS batches (
     seq INTEGER PRIMARY KEY AUTOINCREMENT,
@@ -61,7 +65,8 @@ CREATE TABLE IF NOT EXISTS batches (
     expired_at REAL,
     cancelled_at REAL,
     output_file_id TEXT,
-    error_file_id TEXT
+    error_file_id TEXT,
+    owner TEXT NOT NULL DEFAULT ''  -- who created it: only they see it
 );
 CREATE TABLE IF NOT EXISTS requests (
     batch_id TEXT NOT NULL,
@@ -244,14 +249,17 @@ class BatchStore:
 
     # files
 
-    def create_file(self, content: bytes, filename: str, purpose: str) -> StoredFile:
+    def create_file(self, content: bytes, filename: str, purpose: str,
+                    owner: str = "") -> StoredFile:
         with self._tx() as db:
-            file_id = _insert_file(db, content, filename, purpose, time.time())
+            file_id = _insert_file(db, content, filename, purpose, time.time(), owner)
         return self.get_file(file_id)
 
-    def get_file(self, file_id: str) -> StoredFile | None:
+    def get_file(self, file_id: str, owner: str | None = None) -> StoredFile | None:
+        """The file, if it exists and (given an `owner`) is that owner's."""
         row = self._db.execute(
-            "SELECT id, purpose, filename, bytes, created_at FROM files WHERE id = ?", (file_id,)
+            "SELECT id, purpose, filename, bytes, created_at FROM files WHERE id = :id"
+            " AND (:owner IS NULL OR owner = :owner)", {"id": file_id, "owner": owner}
         ).fetchone()
         return None if row is None else StoredFile(*row)
 
@@ -260,14 +268,15 @@ class BatchStore:
         return None if row is None else bytes(row[0])
 
     def list_files(self, purpose: str | None = None, after: str | None = None,
-                   limit: int = 10_000, newest_first: bool = True) -> list[StoredFile]:
+                   limit: int = 10_000, newest_first: bool = True,
+                   owner: str = "") -> list[StoredFile]:
         sign, order = ("<", "DESC") if newest_first else (">", "ASC")
         rows = self._db.execute(
             "SELECT id, purpose, filename, bytes, created_at FROM files"
-            " WHERE (:purpose IS NULL OR purpose = :purpose)"
+            " WHERE owner = :owner AND (:purpose IS NULL OR purpose = :purpose)"
             f" AND (:after IS NULL OR seq {sign} (SELECT seq FROM files WHERE id = :after))"
             f" ORDER BY seq {order} LIMIT :limit",
-            {"purpose": purpose, "after": after, "limit": limit},
+            {"purpose": purpose, "after": after, "limit": limit, "owner": owner},
         )
         return [StoredFile(*row) for row in rows]
 
@@ -275,10 +284,11 @@ class BatchStore:
 
     def create_batch(self, input_file_id: str, endpoint: str, completion_window: str,
                      metadata: dict | None = None,
-                     models: Collection[str] | None = None) -> Batch:
+                     models: Collection[str] | None = None, owner: str = "") -> Batch:
         """Check the input file whole (APIError 400 naming the first bad line; 404 for an
-        unknown file) and store the batch, in progress, with all its requests pending."""
-        file = self.get_file(input_file_id)
+        unknown file, or another owner's) and store the batch, in progress, with all its
+        requests pending."""
+        file = self.get_file(input_file_id, owner)
         if file is None:
             raise APIError(404, f"no file {input_file_id!r}", param="input_file_id")
         if file.purpose != "batch":
@@ -294,11 +304,12 @@ class BatchStore:
         with self._tx() as db:
             db.execute(
                 "INSERT INTO batches (id, endpoint, input_file_id, completion_window, status,"
-                " model, metadata, created_at, expires_at, in_progress_at)"
-                " VALUES (?, ?, ?, ?, 'in_progress', ?, ?, ?, ?, ?)",
+                " model, metadata, created_at, expires_at, in_progress_at, owner)"
+                " VALUES (?, ?, ?, ?, 'in_progress', ?, ?, ?, ?, ?, ?)",
                 (batch_id, endpoint, input_file_id, completion_window,
                  distinct.pop() if len(distinct) == 1 else None,
-                 None if metadata is None else json.dumps(metadata), now, now + window_s, now),
+                 None if metadata is None else json.dumps(metadata), now, now + window_s, now,
+                 owner),
             )
             db.executemany(
                 "INSERT INTO requests (batch_id, line, custom_id, method, url, model, body)"
@@ -308,22 +319,27 @@ class BatchStore:
             )
         return self.get_batch(batch_id)
 
-    def get_batch(self, batch_id: str) -> Batch | None:
-        row = self._db.execute("SELECT * FROM batches WHERE id = ?", (batch_id,)).fetchone()
+    def get_batch(self, batch_id: str, owner: str | None = None) -> Batch | None:
+        """The batch, if it exists and (given an `owner`) is that owner's."""
+        row = self._db.execute(
+            "SELECT * FROM batches WHERE id = :id AND (:owner IS NULL OR owner = :owner)",
+            {"id": batch_id, "owner": owner}).fetchone()
         return None if row is None else self._batch(row)
 
-    def list_batches(self, after: str | None = None, limit: int = 20) -> list[Batch]:
-        """Newest first; `after` is the id of the last batch of the previous page."""
+    def list_batches(self, after: str | None = None, limit: int = 20,
+                     owner: str = "") -> list[Batch]:
+        """`owner`'s batches, newest first; `after` is the id of the last batch of the
+        previous page."""
         rows = self._db.execute(
-            "SELECT * FROM batches WHERE (:after IS NULL OR"
+            "SELECT * FROM batches WHERE owner = :owner AND (:after IS NULL OR"
             " seq < (SELECT seq FROM batches WHERE id = :after)) ORDER BY seq DESC LIMIT :limit",
-            {"after": after, "limit": limit},
+            {"after": after, "limit": limit, "owner": owner},
         ).fetchall()
         return [self._batch(row) for row in rows]
 
-    def cancel(self, batch_id: str) -> Batch:
+    def cancel(self, batch_id: str, owner: str | None = None) -> Batch:
         """Start cancelling: its pending requests end `cancelled`, running ones finish."""
-        batch = self.get_batch(batch_id)
+        batch = self.get_batch(batch_id, owner)
         if batch is None:
             raise APIError(404, f"no batch {batch_id!r}", param="batch_id")
         if batch.status in ("cancelling", "cancelled"):
@@ -438,7 +454,7 @@ class BatchStore:
 
     def _batch(self, row: sqlite3.Row) -> Batch:
         fields = dict(row)
-        del fields["seq"]
+        del fields["seq"], fields["owner"]  # the owner is the store's to check, not shown
         if fields["metadata"] is not None:
             fields["metadata"] = json.loads(fields["metadata"])
         return Batch(**fields, counts=self._counts(row["id"]))
@@ -458,11 +474,11 @@ class BatchStore:
 
 
 def _insert_file(db: sqlite3.Connection, content: bytes, filename: str, purpose: str,
-                 now: float) -> str:
+                 now: float, owner: str) -> str:
     file_id = f"file-{secrets.token_hex(12)}"
-    db.execute("INSERT INTO files (id, purpose, filename, bytes, created_at, content)"
-               " VALUES (?, ?, ?, ?, ?, ?)",
-               (file_id, purpose, filename, len(content), now, content))
+    db.execute("INSERT INTO files (id, purpose, filename, bytes, created_at, content, owner)"
+               " VALUES (?, ?, ?, ?, ?, ?, ?)",
+               (file_id, purpose, filename, len(content), now, content, owner))
     return file_id
 
 
@@ -491,11 +507,12 @@ def _finalize(db: sqlite3.Connection, batch_id: str, status: str, now: float) ->
         else:
             errors.append({"id": result_id, "custom_id": custom_id, "response": None,
                            "error": {"code": result["code"], "message": result["message"]}})
+    (owner,) = db.execute("SELECT owner FROM batches WHERE id = ?", (batch_id,)).fetchone()
     files = []
     for lines, kind in ((output, "output"), (errors, "error")):
         content = "".join(json.dumps(line) + "\n" for line in lines).encode()
-        files.append(_insert_file(db, content, f"{batch_id}_{kind}.jsonl", "batch_output", now)
-                     if lines else None)
+        files.append(_insert_file(db, content, f"{batch_id}_{kind}.jsonl", "batch_output", now,
+                                  owner) if lines else None)
     db.execute(
         f"UPDATE batches SET status = ?, finalizing_at = ?, {status}_at = ?,"
         " output_file_id = ?, error_file_id = ? WHERE id = ?",

@@ -293,9 +293,29 @@ def test_unknown_ids_are_404(gateway):
         assert e.value.body["type"] == "not_found_error" and "nope" in e.value.message
 
 
+def test_each_key_sees_only_its_own_files_and_batches(gateway):
+    mine = gateway.client
+    theirs = openai.OpenAI(base_url=gateway.url + "/v1", api_key="another", max_retries=0,
+                           timeout=30)
+    batch = submit(mine, chat_lines(2))
+    done = ended(mine, batch.id, "completed")
+    for call in (lambda: theirs.batches.retrieve(batch.id),
+                 lambda: theirs.batches.cancel(batch.id),
+                 lambda: theirs.files.retrieve(batch.input_file_id),
+                 lambda: theirs.files.content(done.output_file_id),
+                 lambda: theirs.batches.create(input_file_id=batch.input_file_id, endpoint=CHAT,
+                                               completion_window="24h")):
+        with pytest.raises(openai.NotFoundError):
+            call()
+    assert theirs.batches.list().data == [] and theirs.files.list().data == []
+    assert [b.id for b in mine.batches.list().data] == [batch.id]
+    assert len(read_jsonl(mine, done.output_file_id)) == 2
+
+
 def post_json(url: str, body: dict) -> tuple[int, dict]:
     req = urllib.request.Request(url, json.dumps(body).encode(),
-                                 {"Content-Type": "application/json"})
+                                 {"Content-Type": "application/json",
+                                  "Authorization": "Bearer unused"})  # the client's key
     try:
         with urllib.request.urlopen(req, timeout=10) as r:
             return r.status, json.loads(r.read())
@@ -379,13 +399,14 @@ def test_a_gateway_that_died_loses_no_result(tmp_path):
     """Requests left running go back to pending on open; finished ones stay."""
     db = tmp_path / "batches.sqlite"
     store = BatchStore(db)
-    file = store.create_file(jsonl(chat_lines(5)), "in.jsonl", "batch")
-    batch_id = store.create_batch(file.id, CHAT, "24h").id
+    owner = batch_api.owner_of("Bearer unused")  # the test gateway's client
+    file = store.create_file(jsonl(chat_lines(5)), "in.jsonl", "batch", owner)
+    batch_id = store.create_batch(file.id, CHAT, "24h", owner=owner).id
     running = store.pending(MODEL, 3)
     for request in running:
         assert store.mark_running(request.key)
     store.mark_done(running[0].key, 200, {"id": "chatcmpl-0", "choices": []})
-    other = store.create_batch(file.id, CHAT, "24h").id  # cancelled with 2 running
+    other = store.create_batch(file.id, CHAT, "24h", owner=owner).id  # cancelled, 2 running
     for request in store.pending(MODEL, 10)[-2:]:
         store.mark_running(request.key)
     store.cancel(other)
