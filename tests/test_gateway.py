@@ -214,8 +214,8 @@ def test_a_killed_replica_is_taken_out_and_put_back(tiny_model, tmp_path):
 
         async def stream(s: aiohttp.ClientSession, started: asyncio.Event) -> str:
             """'done', or 'error' when the stream ended with an error event."""
-            body = {"model": MODEL, "prompt": "Hi", "max_tokens": 300, "ignore_eos": True,
-                    "stream": True}
+            body = {"model": MODEL, "prompt": "Hi", "max_tokens": 500, "ignore_eos": True,
+                    "stream": True}  # still streaming when the replica is killed
             async with s.post(gw + "/v1/completions", json=body) as r:
                 assert r.status == 200
                 started.set()
@@ -233,7 +233,7 @@ def test_a_killed_replica_is_taken_out_and_put_back(tiny_model, tmp_path):
                 for e in events:  # one at a time, so headroom spreads them 2 and 2
                     tasks.append(asyncio.create_task(stream(s, e)))
                     await e.wait()
-                    await asyncio.sleep(0.3)
+                    await asyncio.sleep(0.15)  # past a poll (0.1 s)
                 held = int(samples(urls[0])["jaxserve:num_requests_running"])
                 kill(doomed)
                 return held, await asyncio.gather(*tasks)
