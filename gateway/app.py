@@ -22,7 +22,7 @@ from aiohttp import web
 from gateway import batch_api
 from gateway.auth import KeyCheck
 from gateway.batch_runner import BatchRunner
-from gateway.batch_store import BatchStore
+from gateway.batch_store import REQUEST_STATES, BatchStore
 from gateway.config import GatewayConfig
 from gateway.guardrails import Guardrail
 from gateway.metrics import GatewayMetrics
@@ -90,6 +90,9 @@ class Gateway:
         return json_response({"status": "ok"})
 
     async def metrics_route(self, request: web.Request) -> web.Response:
+        counts = self.store.request_states()
+        for state in REQUEST_STATES:  # a state none is in any more reads 0
+            self.metrics.batch_requests.labels(state).set(counts.get(state, 0))
         return web.Response(body=self.metrics.render(),
                             content_type="text/plain", charset="utf-8")
 

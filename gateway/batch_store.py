@@ -29,6 +29,7 @@ from pathlib import Path
 from server.protocol import APIError
 
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
+REQUEST_STATES = ("pending", "running", "done", "failed", "expired", "cancelled")
 MAX_REQUESTS = 50_000  # lines of one input file, as OpenAI allows
 WINDOW = re.compile(r"(\d+(?:\.\d+)?)([smhd])")
 WINDOW_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
@@ -394,6 +395,11 @@ class BatchStore:
                       time.time())
 
     # requests
+
+    def request_states(self) -> dict[str, int]:
+        """Requests of every batch by state (pending, running, done, failed, ...)."""
+        rows = self._db.execute("SELECT state, COUNT(*) FROM requests GROUP BY state")
+        return dict(rows.fetchall())
 
     def pending_models(self) -> list[str]:
         """Models with requests waiting to run, the one with the earliest deadline first."""

@@ -43,6 +43,11 @@ class GatewayMetrics:
             "jaxserve:gateway_replica_load", "Running + waiting requests, as last polled",
             ["pool", "replica"], registry=r)
 
+        self.batch_requests = Gauge(
+            "jaxserve:gateway_batch_requests",
+            "Batch API requests by state (pending, running, done, failed, expired, cancelled)",
+            ["state"], registry=r)
+
     def polled(self, replica: Replica) -> None:
         self.replica_up.labels(replica.pool, replica.url).set(1 if replica.up else 0)
         self.replica_load.labels(replica.pool, replica.url).set(replica.running + replica.waiting)

@@ -405,3 +405,4 @@ def test_the_gateways_own_routes_take_the_replicas_keys(tiny_model, tmp_path):
             wait_for(lambda: good.batches.retrieve(batch.id).status == "completed", 30,
                      "the batch ran with the gateway's key")
             assert good.batches.retrieve(batch.id).request_counts.completed == 1
+            assert samples(gw)['jaxserve:gateway_batch_requests{state="done"}'] == 1
