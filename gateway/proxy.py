@@ -97,10 +97,8 @@ class Proxy:
         """What the input check reads; token-id prompts as their text, so they cannot
         pass a check unread (a pool without a tokenizer refuses them)."""
         prompt = body.get("prompt")
-        ids = [prompt] if isinstance(prompt, list) and all(
-            isinstance(t, int) for t in prompt) else prompt
-        if not (isinstance(ids, list) and ids and all(
-                isinstance(p, list) and all(isinstance(t, int) for t in p) for p in ids)):
+        ids = [prompt] if _is_ids(prompt) else prompt
+        if not (isinstance(ids, list) and ids and all(_is_ids(p) for p in ids)):
             return input_text(body)
         tokenizer = self.router.tokenizers.get(pool.name)
         if tokenizer is None:
@@ -118,11 +116,7 @@ class Proxy:
         refused connection."""
         tried: list[Replica] = []
         while True:
-            if replicas is not None:
-                candidates = [r for r in replicas if r not in tried]
-                replica = min(candidates, key=Replica.headroom_key, default=None)
-            else:
-                replica = self.router.replica_for(pool, exclude=tuple(tried))
+            replica = self.router.replica_for(pool, tuple(tried), replicas)
             if replica is None:
                 self.metrics.refused.labels(pool.name, "no_replica").inc()
                 raise APIError(503, f"no replica of pool {pool.name!r} is up",
@@ -142,13 +136,15 @@ class Proxy:
                         headers={**headers, "Content-Type": "application/json"})
                 except aiohttp.ClientConnectorError as e:  # nothing was sent: try another
                     replica.mark_down(f"connection refused: {e}")
-                    if last_try or self.router.replica_for(pool, tuple(tried)) is None:
+                    if last_try or self.router.replica_for(pool, tuple(tried), replicas) is None:
                         raise _lost(pool, replica, self.metrics) from None
                     continue
                 except (aiohttp.ClientError, TimeoutError) as e:
                     replica.mark_down(f"{type(e).__name__}: {e}")
                     raise _lost(pool, replica, self.metrics) from None
-                if upstream.status == 429 and not last_try and self._has_headroom(pool, tried):
+                other = self.router.replica_for(pool, tuple(tried), replicas)
+                if upstream.status == 429 and not last_try and other is not None and (
+                        other.waiting == 0):
                     upstream.release()
                     continue
                 try:
@@ -159,10 +155,6 @@ class Proxy:
             finally:
                 replica.in_flight -= 1
                 replica.batch_in_flight -= batch
-
-    def _has_headroom(self, pool: PoolConfig, tried: list[Replica]) -> bool:
-        other = self.router.replica_for(pool, exclude=tuple(tried))
-        return other is not None and other.waiting == 0
 
     async def _whole(self, pool: PoolConfig, replica: Replica,
                      upstream: aiohttp.ClientResponse, passed: dict) -> web.Response:
@@ -360,6 +352,11 @@ async def _events(upstream: aiohttp.ClientResponse) -> AsyncIterator[bytes]:
             event = b""
     if event:
         yield event
+
+
+def _is_ids(prompt: object) -> bool:
+    """A prompt given as token ids."""
+    return isinstance(prompt, list) and all(isinstance(t, int) for t in prompt)
 
 
 def _has_output(event: bytes) -> bool:

@@ -81,9 +81,12 @@ class Router:
             code="context_length_exceeded",
         )
 
-    def replica_for(self, pool: PoolConfig, exclude: tuple[Replica, ...] = ()) -> Replica | None:
-        """The healthy replica of `pool` with the most headroom; None when none is up."""
-        up = [r for r in self.replicas[pool.name] if r.up and r not in exclude]
+    def replica_for(self, pool: PoolConfig, exclude: tuple[Replica, ...] = (),
+                    among: list[Replica] | None = None) -> Replica | None:
+        """The healthy replica of `pool` (of `among`, when given) with the most headroom,
+        other than `exclude`; None when none is up."""
+        candidates = self.replicas[pool.name] if among is None else among
+        up = [r for r in candidates if r.up and r not in exclude]
         return min(up, key=Replica.headroom_key, default=None)
 
     def batch_replicas(self, pool: PoolConfig) -> list[Replica]:
