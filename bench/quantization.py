@@ -144,7 +144,7 @@ def memory(llm) -> dict:
         "weight_bytes": llm.weight_bytes,
         "planner_weight_bytes": planner.stored_weight_bytes(
             planner.shape_of(c, "served"), storage_name(llm.weight_dtype),
-            storage_name(llm.dtype)),
+            storage_name(llm.dtype), packed=llm.linear_backend != "xla"),
         "kv_bytes_per_token": llm.kv_bytes_per_token,
         "planner_kv_bytes_per_token": planner.kv_bytes_per_token(
             c.num_layers, c.num_kv_heads, c.head_dim, llm.kv_dtype),

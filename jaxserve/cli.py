@@ -205,7 +205,8 @@ def _engine_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--kv-dtype", default=DEFAULTS["kv_dtype"], choices=KV_DTYPES,
         help="how KV pages are stored; auto: in --dtype; int8 keeps a scale per token and "
-        "head, fp8 (e4m3) none",
+        "head; fp8 (e4m3) a center and scale per layer, head and channel, calibrated at "
+        "start-up",
     )
     group.add_argument("--attention-backend", choices=ATTENTION_BACKENDS)
     group.add_argument(

@@ -18,7 +18,7 @@ from jaxserve.checkpoint.loader import load
 from jaxserve.checkpoint.weights import pack_projections
 from jaxserve.config import EngineConfig, SamplingParams, serving_dtype
 from jaxserve.cpu_kernels import linear
-from jaxserve.device.kv_cache import storage_name
+from jaxserve.device.kv_cache import calibration_text, storage_name
 from jaxserve.device.runner import ModelRunner, WarmupProgress, enable_compilation_cache
 from jaxserve.device.sharding import make_mesh
 from jaxserve.host.adapters import AdapterRegistry, SlotTable
@@ -152,6 +152,8 @@ class LLM:
                 # estimate): timing every bucket tripled a warm restart's warm-up
                 full = buckets.choose(max_batch, max_batch)
                 self.runner.warmup(worst_case=False, timed={full}, progress=warmup_progress)
+        if self.runner.kv_cache.k_center is not None:  # fp8 KV: before any page is used
+            self.runner.calibrate_kv(self.tokenizer.encode(calibration_text()))
         self.scheduler = Scheduler(
             [PageAllocator(self.num_pages) for _ in range(cfg.dp)],
             buckets,
@@ -179,7 +181,8 @@ class LLM:
         """Bytes one token's K and V take in the pool on the device, every layer, scales
         included (all shards together, per data shard's page)."""
         pool = self.runner.kv_cache
-        held = sum(x.nbytes for x in jax.tree.leaves(pool))
+        held = sum(x.nbytes for x in (pool.k, pool.v, pool.k_scale, pool.v_scale)
+                   if x is not None)  # fp8's calibration is per channel, not per token
         return held // (pool.num_pages * pool.page_size)
 
     def encode(self, prompt: str | Sequence[int]) -> list[int]:

@@ -14,7 +14,8 @@ Definitions (all sizes in bytes, GB = 1e9 B, TB/s = 1e12 B/s, TFLOP/s = 1e12 FLO
   norms, biases) at the serving `dtype` (Llama-3.1-70B in fp8 on bf16: 72.7 GB, +3 %).
 - KV bytes per token = 2 × layers × kv_heads × (head_dim × kv dtype bytes + scale bytes),
   as the engine stores pages (device/kv_cache.py): int8 keeps an f32 scale per token
-  and head, fp8 (e4m3, vLLM's uncalibrated per-tensor scale of 1) and floats none.
+  and head, fp8 (e4m3) and floats none (fp8's calibration, a center and a scale per layer,
+  head and channel, is not per token and not counted).
 - KV bytes per sequence = context × KV bytes per token, where `context` is every token a
   sequence holds at its end (prompt + output): what admission reserves in pages.
 - usable KV pool = kv_cap × (chips × HBM − weight bytes − chips × activation_gb).

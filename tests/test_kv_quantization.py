@@ -1,4 +1,5 @@
-"""--kv-dtype: KV pages stored as int8 (a scale per token and head), fp8 (e4m3) or bf16;
+"""--kv-dtype: KV pages stored as int8 (a scale per token and head), fp8 (e4m3, calibrated
+per channel) or bf16;
 the bytes a token takes, as the engine holds them, equal the planner's; a pool sized by
 bytes holds the pages that fit; and quantized KV or weights keep the engine's invariants
 (batch invariance, chunked prefill = unchunked, prefix cache on = off)."""
@@ -15,10 +16,12 @@ import pytest
 from serving import running_server
 
 from jaxserve import LLM, SamplingParams
+from jaxserve.device.attention import AttentionMetadata, paged_attention
 from jaxserve.device.kv_cache import (
     FP8_MAX,
     KV_STORAGE,
     KVCache,
+    calibration_text,
     quantize,
     write_kv,
 )
@@ -71,6 +74,53 @@ def test_write_kv_stores_each_tokens_values_and_scale_in_its_slot():
         np.testing.assert_allclose(got_k, k[t], atol=np.abs(k[t]).max() / 200)
         np.testing.assert_allclose(got_v, v[t], atol=np.abs(v[t]).max() / 200)
     assert int((np.asarray(cache.k_scale) != 0).sum()) == 2 * 3  # nothing else written
+
+
+def fp8_cache(shape, k_center, v_center, k_channel_scale, v_channel_scale) -> KVCache:
+    pool = jnp.zeros(shape, jnp.uint8)  # fp8 bits
+    return KVCache(pool, pool, None, None, *(jnp.asarray(x, jnp.float32) for x in (
+        k_center, v_center, k_channel_scale, v_channel_scale)))
+
+
+@pytest.mark.parametrize("backend", ["reference", "xla", "cpu", "pallas-interpret"])
+def test_fp8_calibration_is_exact_around_attention(backend):
+    """fp8 pages hold (x − center) ÷ channel scale, and attention undoes it: K's scales
+    multiply q, V's multiply the output and V's center is added to it, K's center changes
+    nothing (a constant on every score). On keys with large near-constant channels, as
+    post-RoPE keys have, calibrated fp8 attention is many times closer to f32's than
+    uncalibrated fp8 (stored as it comes, 3 mantissa bits on 40 ± 1). On every attention
+    backend, since the calibration is applied around them."""
+    layers, heads, group, dim, page = 2, 2, 3, 16, 4
+    rng = np.random.default_rng(2)
+    n = 12  # one sequence of 12 tokens in pages 1-3, every token a query
+    k = rng.normal(size=(n, heads, dim)).astype(np.float32) * 0.05
+    v = rng.normal(size=(n, heads, dim)).astype(np.float32) * 0.01
+    k[:, :, :2] += (40.0, -25.0)  # two large near-constant channels
+    v += 0.3  # values off zero
+    q = rng.normal(size=(n, heads * group, dim)).astype(np.float32)
+    k_center, v_center = k.mean(0), v.mean(0)
+    k_dev, v_dev = (np.abs(x - x.mean(0)).max(0) for x in (k, v))
+    calibrated = [np.broadcast_to(x, (layers, heads, dim)) for x in (
+        k_center, v_center, 4 * k_dev / FP8_MAX, 4 * v_dev / FP8_MAX)]
+    none = [np.zeros((layers, heads, dim))] * 2 + [np.ones((layers, heads, dim))] * 2
+    metadata = AttentionMetadata(
+        seq_ids=jnp.zeros(n, jnp.int32), slot_mapping=jnp.arange(page, page + n),
+        page_table=jnp.array([[1, 2, 3], [0, 0, 0]], jnp.int32),
+        cu_q_lens=jnp.array([0, n, n], jnp.int32), kv_lens=jnp.array([n, 0], jnp.int32),
+        logits_indices=jnp.array([n - 1], jnp.int32), backend=backend)
+    positions = jnp.arange(n, dtype=jnp.int32)
+    f32 = KVCache(*(jnp.zeros((layers, heads, 5, page, dim)) for _ in "kv"))
+    args = (jnp.int32(1), metadata.slot_mapping, jnp.asarray(k), jnp.asarray(v))
+    want = paged_attention(jnp.asarray(q), write_kv(f32, *args), jnp.int32(1), positions,
+                           metadata, dim**-0.5)
+    errors = {}
+    for name, calibration in (("calibrated", calibrated), ("uncalibrated", none)):
+        cache = write_kv(fp8_cache((layers, heads, 5, page, dim), *calibration), *args)
+        assert cache.k_channel_scale is not None  # carried through the write
+        got = paged_attention(jnp.asarray(q), cache, jnp.int32(1), positions, metadata,
+                              dim**-0.5)
+        errors[name] = float(np.abs(np.asarray(got) - np.asarray(want)).max())
+    assert errors["calibrated"] < 2e-3 < errors["uncalibrated"] / 5, errors
 
 
 @pytest.mark.parametrize(("kv_dtype", "itemsize", "scale"), [
@@ -140,6 +190,27 @@ def test_quantized_storage_keeps_the_engines_invariants(tiny_model, weight_dtype
     got = [o.prompt_logprobs for o in llm.generate(PROMPTS, scored)]
     diffs = [abs(a - b) for w, g in zip(want, got) for a, b in zip(w[1:], g[1:])]
     assert 0 < max(diffs) < 0.5
+
+
+def test_fp8_is_calibrated_on_the_calibration_text_at_start(tiny_model):
+    """An fp8 engine starts with each channel's center at its mean K or V over the
+    calibration text, as an f32 pool holds them, and its scale at 4× the largest deviation
+    ÷ 448; and it scores prompts close to f32."""
+    fp8 = LLM(tiny_model, kv_dtype="fp8", **ENGINE)
+    f32 = LLM(tiny_model, kv_dtype="f32", **ENGINE)
+    assert f32.runner.kv_cache.k_center is None  # only fp8 is calibrated
+    stats = f32.runner.kv_stats(f32.tokenizer.encode(calibration_text()))[:2]
+    cache = fp8.runner.kv_cache
+    for (mean, dev), center, scale in ((stats[0], cache.k_center, cache.k_channel_scale),
+                                       (stats[1], cache.v_center, cache.v_channel_scale)):
+        mean, dev = np.asarray(mean), np.asarray(dev)
+        assert np.abs(mean).max() > 0.01  # something to center
+        # fp8 rounds each value by up to 1/16 of its deviation, and their mean by less
+        np.testing.assert_allclose(np.asarray(center), mean, atol=np.abs(dev).max() / 16)
+        np.testing.assert_allclose(np.asarray(scale), 4 * dev / FP8_MAX, rtol=0.1)
+    scored = SamplingParams(max_tokens=1, prompt_logprobs=0)
+    for w, g in zip(f32.generate(PROMPTS, scored), fp8.generate(PROMPTS, scored)):
+        np.testing.assert_allclose(g.prompt_logprobs[1:], w.prompt_logprobs[1:], atol=0.1)
 
 
 @pytest.mark.slow  # starts a server

@@ -239,6 +239,14 @@ def test_int8_kv_and_its_scales_shard_over_kv_heads_and_pages(random_run):
     assert engine == {"tokens_match": True, "compiles_after_warmup": 0}
 
 
+def test_fp8_kv_is_calibrated_and_served_on_a_mesh(random_run):
+    """fp8 KV on tp 4 × dp 2: calibrated at start on the first data shard's pages, its
+    centers and scales laid out over KV heads, the tokens those of one device."""
+    engine = random_run["engine_fp8_kv"]
+    assert engine.pop("center_spec") == [None, "model", None]
+    assert engine == {"tokens_match": True, "compiles_after_warmup": 0}
+
+
 def test_lora_adapters_on_a_mesh_give_the_tokens_of_one_device(random_run):
     """tp 4 (and tp 4 × dp 2): 3 adapters through 2 slots and base rows, token for token
     as on one device; A is split like a row-parallel projection's input, B like a
@@ -560,6 +568,8 @@ def _engine_check(model_dir: Path, tp: int, dp: int, kv_dtype: str = "auto",
         "tokens_match": [o.token_ids for o in sharded] == [o.token_ids for o in alone],
         "compiles_after_warmup": llm.runner.compiles_after_warmup + compile_count() - before,
     }
+    if kv_dtype == "fp8":
+        result["center_spec"] = list(llm.runner.kv_cache.k_center.sharding.spec)
     if adapters:  # and they matter: the base model's tokens differ
         base = llm.generate(requests, params)
         result["adapters_change_tokens"] = [o.token_ids for o in base] != [
@@ -625,6 +635,7 @@ def _random_scenario(directory: Path) -> dict:
     }
     result["engine"] = _engine_check(model_dir, 4, 2)
     result["engine_int8_kv"] = _engine_check(model_dir, 4, 2, "int8")
+    result["engine_fp8_kv"] = _engine_check(model_dir, 4, 2, "fp8")
     sys.path.insert(0, str(HERE.parent / "bench"))
     from lora import write_adapter
 

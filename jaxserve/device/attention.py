@@ -95,7 +95,28 @@ def paged_attention(
     scale: float,
 ) -> jax.Array:  # f32[num_tokens, num_heads, head_dim]
     """Attention of each token over its own sequence's pages, this token included; pages
-    in any storage are dequantized inside the backend."""
+    in any storage are dequantized inside the backend. An fp8 pool's calibration
+    (kv_cache.py) is applied here, around the backend: K's channel scales multiply q; V's
+    multiply the output, and V's center is added to it (each output is a convex mix of the
+    values, so their common center comes out whole); K's center needs nothing."""
+    if kv_cache.k_center is None:
+        return _attend(q, kv_cache, layer, positions, metadata, scale)
+    group = q.shape[1] // kv_cache.k_center.shape[1]  # query head h reads KV head h // group
+
+    def per_query_head(x: jax.Array) -> jax.Array:  # [kv_heads, head_dim] of this layer
+        return jnp.repeat(x[layer], group, axis=0).astype(q.dtype)
+
+    # q.k = (q * k_scale).stored + q.k_center, the last the same for every key
+    out = _attend(q * per_query_head(kv_cache.k_channel_scale), kv_cache, layer, positions,
+                  metadata, scale)
+    return out * per_query_head(kv_cache.v_channel_scale) + per_query_head(kv_cache.v_center)
+
+
+def _attend(
+    q: jax.Array, kv_cache: KVCache, layer: jax.Array, positions: jax.Array,
+    metadata: AttentionMetadata, scale: float,
+) -> jax.Array:
+    """`paged_attention` over the stored (calibrated) values, on the metadata's backend."""
     scales = {"k_scale": kv_cache.k_scale, "v_scale": kv_cache.v_scale}
     if metadata.backend == "xla":
         return blocked_paged_attention(

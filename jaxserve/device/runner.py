@@ -13,6 +13,7 @@ shard's batch is packed on its own and the packs are concatenated, so the step
 """
 
 import dataclasses
+import functools
 import logging
 import threading
 import time
@@ -29,7 +30,17 @@ from jaxserve.checkpoint.adapter import Adapter
 from jaxserve.device.adapters import SlotStore, slot_axes
 from jaxserve.device.attention import select_backend
 from jaxserve.device.batch import pack_step
-from jaxserve.device.kv_cache import KV_STORAGE, SCALED, init_kv_cache, storage_name
+from jaxserve.device.kv_cache import (
+    CALIBRATED,
+    CALIBRATION_HEADROOM,
+    CALIBRATION_TOKENS,
+    FP8_MAX,
+    KV_STORAGE,
+    SCALED,
+    KVCache,
+    init_kv_cache,
+    storage_name,
+)
 from jaxserve.device.multihost import SCORE, STEP, StepChannel, is_leader
 from jaxserve.device.sampling import init_penalty_state
 from jaxserve.device.sharding import DATA, Layout
@@ -40,6 +51,7 @@ from jaxserve.host.plan import Chunk, StepPlan
 from jaxserve.host.results import RESULT_WIDTH, StepOutput
 from jaxserve.models import param_axes
 from jaxserve.models.layers import is_packed
+from jaxserve.pallas_kernels.storage import dequantize
 
 log = logging.getLogger(__name__)
 
@@ -131,13 +143,15 @@ class ModelRunner:
         pool = num_pages * self.num_shards
         kv_shape = (cfg.num_layers, cfg.num_kv_heads, pool, page_size, cfg.head_dim)
         self.layout = None if mesh is None else Layout.build(
-            mesh, self.state, kv_shape, param_axes(cfg), self.kv_dtype in SCALED
+            mesh, self.state, kv_shape, param_axes(cfg), self.kv_dtype in SCALED,
+            self.kv_dtype in CALIBRATED,
         )
         self.kv_cache = init_kv_cache(
             cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, pool, page_size,
             KV_STORAGE[self.kv_dtype],
-            *((None, None) if self.layout is None else
-              (self.layout.kv_cache.k, self.layout.kv_cache.k_scale)),
+            *((None, None, None) if self.layout is None else
+              (self.layout.kv_cache.k, self.layout.kv_cache.k_scale,
+               self.layout.kv_cache.k_center)),
         )
         self.spare_row = num_rows  # each shard's last penalty row
         self.penalties = init_penalty_state(
@@ -354,6 +368,49 @@ class ModelRunner:
         self.warm = True
         return self.step_times
 
+    def calibrate_kv(self, token_ids: Sequence[int]) -> None:
+        """Set an fp8 pool's centers and channel scales (kv_cache.py) from `token_ids`:
+        each channel's center is its mean over them, its scale maps CALIBRATION_HEADROOM
+        times the largest deviation seen onto e4m3's ±448. Stats are read through the
+        current calibration (at first: none), so a pass that clipped a channel is run
+        again through the calibration it gave. Before serving only (see `kv_stats`)."""
+        if jax.process_count() > 1:  # followers would have to run the read-back too
+            log.warning("fp8 KV is not calibrated across processes: centers 0, scales 1")
+            return
+        for _ in range(3):
+            (k_mean, k_dev), (v_mean, v_dev), clipped = self.kv_stats(token_ids)
+            calibration = [k_mean, v_mean] + [
+                jnp.maximum(dev, 1e-6) * CALIBRATION_HEADROOM / FP8_MAX for dev in (k_dev, v_dev)]
+            if self.layout is not None:
+                calibration = jax.device_put(calibration, self.layout.kv_cache.k_center)
+            self.kv_cache = dataclasses.replace(
+                self.kv_cache, k_center=calibration[0], v_center=calibration[1],
+                k_channel_scale=calibration[2], v_channel_scale=calibration[3])
+            if not clipped:
+                break
+        log.info("calibrated the fp8 KV on %d tokens", min(len(token_ids), CALIBRATION_TOKENS))
+
+    def kv_stats(self, token_ids: Sequence[int]) -> tuple[tuple[jax.Array, jax.Array],
+                                                          tuple[jax.Array, jax.Array], bool]:
+        """((mean, largest |deviation| from it) of K, the same of V, whether any stored
+        value sat at fp8's ±448) over `token_ids` (up to CALIBRATION_TOKENS, as many as the
+        pages hold) run as one prompt: computed into pages 1, 2, ... of the first data
+        shard and read back as the pool's calibration stores them. Means and deviations
+        are f32[layers, kv_heads, head_dim]. Those pages are free to the allocator, which
+        never learns of them: only while nothing is served."""
+        pages = list(range(1, min(self.max_pages, self.kv_cache.num_pages // self.num_shards - 1)
+                           + 1))
+        ids = list(token_ids)[: min(CALIBRATION_TOKENS, len(pages) * self.page_size)]
+        if not ids:
+            raise ValueError("no tokens to take the KV statistics over")
+        step = self.buckets.token_sizes[-1]
+        for start in range(0, len(ids), step):
+            chunk = Chunk(ids[start : start + step], start, pages,
+                          samples=start + step >= len(ids), first=start == 0)
+            self._run([chunk], self.buckets.choose(len(chunk.token_ids), 1))
+        k, v, clipped = _stats(self.kv_cache, np.array(pages), len(ids))
+        return k, v, bool(clipped)
+
     def max_batch_under(self, tpot_slo_s: float, fraction: float = 0.6) -> int:
         """Largest row count whose slowest bucket stays under `fraction` of the TPOT SLO."""
         best = 0
@@ -362,6 +419,23 @@ class ModelRunner:
             if worst <= fraction * tpot_slo_s:
                 best = seqs
         return best
+
+
+@functools.partial(jax.jit, static_argnums=2)
+def _stats(cache: KVCache, pages: jax.Array, num_tokens: int) -> tuple:
+    """`ModelRunner.kv_stats` of the first `num_tokens` K and V stored in `pages`."""
+    def stats(pool, scale, center, channel_scale) -> tuple:
+        stored = dequantize(pool[:, :, pages], None if scale is None else scale[:, :, pages],
+                            jnp.float32)
+        stored = stored.reshape(*stored.shape[:2], -1, stored.shape[-1])[:, :, :num_tokens]
+        x = stored if center is None else stored * channel_scale[:, :, None] + center[:, :, None]
+        mean = x.mean(2)
+        clipped = center is not None and jnp.any(jnp.abs(stored) >= FP8_MAX)
+        return (mean, jnp.abs(x - mean[:, :, None]).max(2)), clipped
+
+    k, k_clipped = stats(cache.k, cache.k_scale, cache.k_center, cache.k_channel_scale)
+    v, v_clipped = stats(cache.v, cache.v_scale, cache.v_center, cache.v_channel_scale)
+    return k, v, jnp.logical_or(k_clipped, v_clipped)
 
 
 def _concatenate(packs: list) -> object:

@@ -149,7 +149,7 @@ class Layout:
 
     mesh: Mesh
     state: nnx.State  # NamedSharding per parameter, shaped like the model state
-    kv_cache: KVCache  # NamedSharding of k and of v (and of their scales, if any)
+    kv_cache: KVCache  # NamedSharding of k and of v (and of their scales and centers, if any)
     replicated: NamedSharding  # results, and the inputs of forward passes outside the step
     data: NamedSharding  # axis 0 over "data": step inputs and the penalty state
     adapters: object = None  # the LoRA adapter slots' NamedShardings, when served
@@ -158,11 +158,18 @@ class Layout:
     def build(
         mesh: Mesh, state: nnx.State, kv_shape: Sequence[int],
         axes: Mapping[str, Sequence[str | None]], scaled: bool = False,
+        calibrated: bool = False,
     ) -> "Layout":
-        """`scaled`: the pool keeps a scale per token and head (kv_cache.SCALED)."""
+        """`scaled`: the pool keeps a scale per token and head (kv_cache.SCALED);
+        `calibrated`: a center and scale per layer, head and channel (kv_cache.CALIBRATED)."""
         kv = kv_sharding(mesh, kv_shape)
         scale = NamedSharding(mesh, partition_spec(KV_AXES[:-1], kv_shape[:-1], mesh))
-        kv_cache = KVCache(kv, kv, scale, scale) if scaled else KVCache(kv, kv)
+        channel_axes = KV_AXES[:2] + KV_AXES[-1:]  # [layer, kv_head, head_dim]
+        channels = NamedSharding(mesh, partition_spec(
+            channel_axes, [kv_shape[KV_AXES.index(a)] for a in channel_axes], mesh))
+        scales = (scale, scale) if scaled else (None, None)
+        calibration = (channels,) * 4 if calibrated else (None,) * 4
+        kv_cache = KVCache(kv, kv, *scales, *calibration)
         data = NamedSharding(mesh, PartitionSpec(DATA))
         return Layout(mesh, state_shardings(mesh, state, axes), kv_cache, replicated(mesh), data)
 

@@ -238,13 +238,19 @@ def _per_data_shard(
     """fn(weights, kv_cache, *inputs, slots) run by each data shard on its own part; the
     weights and the adapter slots (last) are whole on every data shard.
 
-    Manual over "data" only: the weights' "model" sharding stays with the compiler.
+    Manual over "data" only: the weights' "model" sharding stays with the compiler. The
+    pool and its scales are split by pages; an fp8 pool's calibration (per layer, head and
+    channel) is whole on every data shard.
     """
+    c = layout.kv_cache
+    kv = KVCache(*(None if x is None else spec for x, spec in zip(
+        (c.k, c.v, c.k_scale, c.v_scale, c.k_center, c.v_center, c.k_channel_scale,
+         c.v_channel_scale), [_KV] * 4 + [PartitionSpec()] * 4)))
     return jax.shard_map(
         fn,
         mesh=layout.mesh,
-        in_specs=(PartitionSpec(), _KV, *[_DATA] * num_sharded_inputs, PartitionSpec()),
-        out_specs=outputs,
+        in_specs=(PartitionSpec(), kv, *[_DATA] * num_sharded_inputs, PartitionSpec()),
+        out_specs=tuple(kv if spec is _KV else spec for spec in outputs),
         axis_names={DATA},
         check_vma=False,
     )
