@@ -400,7 +400,8 @@ def _follow(args: argparse.Namespace) -> int:
 
 def _plan_flags(plan: argparse.ArgumentParser) -> None:
     dtypes = ("f32", "bf16", "fp8", "int8", "int4")
-    plan.add_argument("--model", required=True, help="preset or config.json (or its directory)")
+    plan.add_argument("--model", required=True,
+                      help="preset, config.json (or its directory) or GGUF file")
     plan.add_argument("--weight-dtype", choices=dtypes, default="bf16")
     plan.add_argument("--kv-dtype", choices=dtypes, default="bf16")
     plan.add_argument("--dtype", choices=("bf16", "f32"), default="bf16",

@@ -132,15 +132,21 @@ MODELS = {  # from each model's config.json on the Hugging Face hub
 
 
 def model_shape(spec: str) -> ModelShape:
-    """A preset name, or a Hugging Face config.json (or the directory holding one), read
-    by the loader's own parser (`model_config.config_from_hf`)."""
+    """A preset name, a Hugging Face config.json (or the directory holding one), or a GGUF
+    file, read by the loader's own parsers (the GGUF's metadata only, no tensor)."""
     if spec.lower() in MODELS:
         return MODELS[spec.lower()]
     path = Path(spec)
+    if path.suffix == ".gguf" and path.is_file():
+        from jaxserve.checkpoint.weights import open_checkpoint  # imports jax: only here
+
+        return shape_of(open_checkpoint(path).config, str(path))
     if path.is_dir():
         path = path / "config.json"
     if not path.is_file():
-        raise ValueError(f"model must be one of {sorted(MODELS)} or a config.json, got {spec!r}")
+        raise ValueError(
+            f"model must be one of {sorted(MODELS)}, a config.json or a .gguf file, got {spec!r}"
+        )
     return shape_of(config_from_hf(read_hf_config(path), str(path)), str(path))
 
 

@@ -167,6 +167,15 @@ def test_model_from_config_json(tmp_path):
         planner.model_shape(str(tmp_path / "nowhere"))
 
 
+def test_model_from_a_gguf_file(smollm2_gguf):
+    """The default model's own file: its metadata gives the shape of the preset."""
+    model = planner.model_shape(str(smollm2_gguf))
+    assert model.num_params == planner.MODELS["smollm2-135m"].num_params
+    assert (model.num_layers, model.num_kv_heads, model.head_dim) == (30, 3, 64)
+    out = cli_json("--model", str(smollm2_gguf), "--chip", "v5e", "--kv-dtype", "fp8")
+    assert out["kv_bytes_per_token"] == 2 * 30 * 3 * 64
+
+
 def test_binding_bound_flips_from_tpot_to_kv_as_the_context_grows():
     contexts = [1000, 2000, 4000, 8000, 16_000, 32_768, 65_536]
     bounds = [planner.plan(example(context=c, tpot_slo_ms=60)).binding_bound for c in contexts]
