@@ -142,9 +142,8 @@ class Proxy:
                 except (aiohttp.ClientError, TimeoutError) as e:
                     replica.mark_down(f"{type(e).__name__}: {e}")
                     raise _lost(pool, replica, self.metrics) from None
-                other = self.router.replica_for(pool, tuple(tried), replicas)
-                if upstream.status == 429 and not last_try and other is not None and (
-                        other.waiting == 0):
+                if upstream.status == 429 and not last_try and self._has_headroom(
+                        pool, tried, replicas):
                     upstream.release()
                     continue
                 try:
@@ -155,6 +154,13 @@ class Proxy:
             finally:
                 replica.in_flight -= 1
                 replica.batch_in_flight -= batch
+
+    def _has_headroom(self, pool: PoolConfig, tried: list[Replica],
+                      replicas: list[Replica] | None) -> bool:
+        """Whether another replica (of `replicas`, when given) is up with none waiting: a
+        429 is retried there, once."""
+        other = self.router.replica_for(pool, tuple(tried), replicas)
+        return other is not None and other.waiting == 0
 
     async def _whole(self, pool: PoolConfig, replica: Replica,
                      upstream: aiohttp.ClientResponse, passed: dict) -> web.Response:
