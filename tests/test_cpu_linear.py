@@ -58,6 +58,7 @@ def test_weights_that_do_not_pack_are_refused():
 @pytest.mark.parametrize(("m", "k", "n"), [
     (1, 576, 1536),   # a decode of one row
     (16, 576, 192),   # SmolLM2's k/v projection at a full decode batch
+    (32, 1536, 576),  # a decode batch of 32 rows: the streamed path's largest
     (17, 100, 48),    # a partial row block, inputs padded, an odd column block
     (40, 1536, 576),  # a prefill chunk over three row blocks
     (5, 64, 4096),    # many work items
@@ -81,6 +82,22 @@ def test_the_kernel_is_x_times_the_bf16_weight(backend, m, k, n):
     if m:  # the passes differ by x's rounding: one pass is not two
         two_pass = x.astype(np.float64) @ bf16(w)
         assert np.abs(got - two_pass).max() > 1e-4 * np.abs(two_pass).max()
+
+
+@pytest.mark.parametrize("backend", KERNELS)
+@pytest.mark.parametrize("passes", [1, 2])
+def test_a_row_gets_the_same_bits_in_any_batch(backend, passes):
+    """Batch invariance inside the kernel: a row alone, in a decode batch (AVX512-BF16
+    streams batches of 5 to 32 rows) and in a prefill-sized one sums the same products in
+    the same order."""
+    rng = np.random.default_rng(7)
+    w = jnp.asarray(linear.pack(rng.standard_normal((576, 960)).astype(np.float32)))
+    x = rng.standard_normal((40, 576)).astype(np.float32)
+    whole = np.asarray(linear.packed_linear(jnp.asarray(x), w, backend=backend, passes=passes))
+    for m in (1, 4, 5, 16, 32):
+        part = np.asarray(linear.packed_linear(jnp.asarray(x[:m]), w, backend=backend,
+                                               passes=passes))
+        np.testing.assert_array_equal(part, whole[:m], err_msg=f"{m} rows")
 
 
 @pytest.mark.parametrize("backend", KERNELS)
@@ -151,11 +168,17 @@ def test_the_engine_on_a_kernel_gives_the_tokens_of_xla_bf16(tiny_model, backend
     packed = LLM(tiny_model, weight_dtype="bf16", linear_backend=backend,
                  linear_activations="f32", **ENGINE)
     assert (xla.linear_backend, packed.linear_backend) == ("xla", backend)
-    q_proj = packed.runner.state["layers"]["q_proj"].get_value()
-    assert isinstance(q_proj, PackedWeight) and (q_proj.backend, q_proj.passes) == (backend, 2)
+    layers = packed.runner.state["layers"]
+    qkv, o = layers["qkv"].get_value(), layers["o_proj"].get_value()
+    assert isinstance(o, PackedWeight) and (o.backend, o.passes) == (backend, 2)
+    c = packed.config  # q/k/v are one kernel call, as are gate/up (layers.fuse)
+    kv = c.num_kv_heads * c.head_dim
+    assert qkv.splits == (c.num_heads * c.head_dim, kv, kv) and (qkv.backend, qkv.passes) == (
+        backend, 2)
+    assert layers["gate_up"].get_value().splits == (c.intermediate_size,) * 2
+    assert not {"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"} & set(layers)
     assert [o.token_ids for o in packed.generate(prompts, GREEDY)] == [
         o.token_ids for o in xla.generate(prompts, GREEDY)]
-    c = packed.config
     assert packed.weight_bytes == xla.weight_bytes + c.vocab_size * c.hidden_size * 2
     # the planner counts the packed head (a tied model's copy) as the engine holds it
     shape = planner.model_shape(str(tiny_model))
@@ -171,7 +194,7 @@ def test_bf16_activations_keep_each_row_to_itself(tiny_model, backend):
     prompts = [[5, 6, 7], list(range(10, 40)), [9] * 17]
     one_pass = LLM(tiny_model, weight_dtype="bf16", linear_backend=backend, **ENGINE)
     assert one_pass.linear_activations == "bf16"
-    assert one_pass.runner.state["layers"]["q_proj"].get_value().passes == 1
+    assert one_pass.runner.state["layers"]["qkv"].get_value().passes == 1
     batched = [o.token_ids for o in one_pass.generate(prompts, GREEDY)]
     assert batched == [one_pass.generate([p], GREEDY)[0].token_ids for p in prompts]
     chunked = LLM(tiny_model, weight_dtype="bf16", linear_backend=backend,

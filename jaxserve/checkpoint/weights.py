@@ -26,9 +26,10 @@ from jaxserve.checkpoint.model_config import (
 )
 from jaxserve.config import ModelConfig
 from jaxserve.cpu_kernels.linear import fits, pack
+from jaxserve.device.adapters import GROUPS
 from jaxserve.device.sharding import map_params, param_sharding
 from jaxserve.models import ModelSpec, WeightRule, get_model_spec, param_axes
-from jaxserve.models.layers import PackedWeight, QuantizedWeight, map_stored, store
+from jaxserve.models.layers import PackedWeight, QuantizedWeight, fuse, map_stored, store
 
 # GGUF quantization types dequantized here (the ones real Llama-family files use).
 GGUF_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K")
@@ -252,7 +253,9 @@ def pack_projections(model: nnx.Module, backend: str, passes: int) -> nnx.Module
     (1: activations rounded to bf16; 2: kept in f32). They are rounded to bf16 as `pack`
     does (an f32 model is packed straight, not stored as bf16 first), and the LM head is
     packed too: the step's largest matmul. A tied head gains a packed copy of the
-    embedding, which the lookup keeps reading."""
+    embedding, which the lookup keeps reading. Projections of one input (adapters.GROUPS:
+    q/k/v, gate/up) are packed side by side under the group's name, one kernel call
+    each (layers.fuse)."""
     graphdef, state = nnx.split(model)
     rules = get_model_spec(model.config.architecture).weight_map(model.config)
 
@@ -263,6 +266,16 @@ def pack_projections(model: nnx.Module, backend: str, passes: int) -> nnx.Module
         return value
 
     model = nnx.merge(graphdef, map_params(packed, state))
+    layers = getattr(model, "layers", None)  # llama.py's layout: one input's projections fused
+    for group, members in GROUPS.items():
+        params = [getattr(layers, name, None) for name in members]
+        if not all(isinstance(p, nnx.Param) for p in params):
+            continue
+        fused = fuse([p.get_value() for p in params])
+        if fused is not None:
+            for name in members:
+                delattr(layers, name)
+            setattr(layers, group, nnx.Param(fused))
     head = None  # a model of another layout than llama.py's keeps its head as it is
     if hasattr(model, "lm_head"):
         head = model.lm_head.get_value()

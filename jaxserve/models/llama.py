@@ -19,7 +19,7 @@ from jaxserve.device.attention import AttentionMetadata, paged_attention
 from jaxserve.device.kv_cache import KVCache, write_kv
 from jaxserve.device.sharding import on_any_shard
 from jaxserve.models.interface import ModelSpec, WeightRule, register_model
-from jaxserve.models.layers import LoraGroup, linear, lora_terms, scan_layers
+from jaxserve.models.layers import LoraGroup, linear, linear_group, lora_terms, scan_layers
 
 
 def rope_inv_freq(config: ModelConfig) -> np.ndarray:
@@ -113,7 +113,7 @@ class DecoderLayers(nnx.Module):
             x, cache, i = carry
 
             def project(h, group):  # projections of one input, adapter terms added if served
-                ys = [linear(h, w[name]) for name in GROUPS[group]]
+                ys = linear_group(h, w, group, GROUPS[group])
                 if adapters is None:
                     return ys
                 slots = w["adapters"]
