@@ -204,9 +204,10 @@ def _engine_flags(parser: argparse.ArgumentParser) -> None:
                        "one and --dtype is float32")
     group.add_argument(
         "--kv-dtype", default=DEFAULTS["kv_dtype"], choices=KV_DTYPES,
-        help="how KV pages are stored; auto: in --dtype; int8 keeps a scale per token and "
-        "head; fp8 (e4m3) a center and scale per layer, head and channel, calibrated at "
-        "start-up",
+        help="how KV pages are stored; auto: in --dtype, or bf16 where the projections "
+        "take bf16 activations on a CPU kernel (--linear-activations); int8 keeps a "
+        "scale per token and head; fp8 (e4m3) a center and scale per layer, head and "
+        "channel, calibrated at start-up",
     )
     group.add_argument("--attention-backend", choices=ATTENTION_BACKENDS)
     group.add_argument(

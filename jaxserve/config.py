@@ -161,7 +161,7 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model's context, capped by the pool
     dtype: str = "auto"  # weights and activations; see serving_dtype
     weight_dtype: str = "auto"  # how projections are stored (WEIGHT_DTYPES)
-    kv_dtype: str = "auto"  # how KV pages are stored (KV_DTYPES); auto: as dtype
+    kv_dtype: str = "auto"  # how KV pages are stored (KV_DTYPES); auto: see llm.py
     attention_backend: str | None = None  # None: by platform (see attention.select_backend)
     linear_backend: str = "auto"  # LINEAR_BACKENDS
     linear_activations: str = "auto"  # LINEAR_ACTIVATIONS

@@ -96,8 +96,14 @@ class LLM:
             module = pack_projections(module, self.linear_backend, passes)  # f32 -> bf16
             stored = "bfloat16"
         self.weight_dtype = stored
-        # auto: pages in the serving dtype (f16 only there: --dtype float16)
-        self.kv_dtype = storage_name(self.dtype) if cfg.kv_dtype == "auto" else cfg.kv_dtype
+        # auto: pages in the serving dtype (f16 only there: --dtype float16), or in bf16
+        # where every projection already rounds its input to bf16 (a kernel, one pass): a
+        # 16-row decode step at context 256 took 0.91x f32 pages' time, at 512 0.83x
+        # (Zen 5), with half the bytes a token
+        self.kv_dtype = cfg.kv_dtype
+        if cfg.kv_dtype == "auto":
+            self.kv_dtype = "bf16" if self.linear_activations == "bf16" else storage_name(
+                self.dtype)
         self.num_pages = cfg.num_pages
         if cfg.kv_cache_bytes is not None:
             c = self.config

@@ -214,7 +214,9 @@ def test_auto_serves_bf16_on_a_kernel_and_f32_elsewhere(tiny_model):
     an explicit f32 stays f32."""
     auto = LLM(tiny_model, **ENGINE)
     kernel = linear.select("auto", "bfloat16", jnp.float32, True)
-    want = ("float32", "xla", "float32") if kernel == "xla" else ("bfloat16", kernel, "bf16")
-    assert (auto.weight_dtype, auto.linear_backend, auto.linear_activations) == want
+    want = ("float32", "xla", "float32", "f32") if kernel == "xla" else (
+        "bfloat16", kernel, "bf16", "bf16")  # KV pages in bf16 where activations are
+    assert (auto.weight_dtype, auto.linear_backend, auto.linear_activations,
+            auto.kv_dtype) == want
     f32 = LLM(tiny_model, weight_dtype="f32", **ENGINE)
-    assert (f32.weight_dtype, f32.linear_backend) == ("float32", "xla")
+    assert (f32.weight_dtype, f32.linear_backend, f32.kv_dtype) == ("float32", "xla", "f32")
