@@ -6,13 +6,17 @@
         --bandwidth-mb 16 --matmul-n 256        # tiny, for tests
 
 1. The machine: memory bandwidth from a jitted read (a sum) and a jitted copy (x + 1, which
-   reads and writes) of a large f32 array, and the matmul rate from jnp.dot of two n × n
-   squares at the served dtype (f32 by default, as served on CPU); each the median of
-   `--repeats` timed runs after a warm one. The roofline takes the faster of the two
-   bandwidths: it is a bound, so the best the machine showed.
+   reads and writes) of a large f32 array, and the matmul rate of the projections as
+   served: jnp.dot of two n × n squares at the served dtype, or, where the engine
+   multiplies on a bf16 CPU kernel (`--weight-dtype auto` on AVX512-BF16 and AMX CPUs),
+   that kernel's rate on an n × n product; each the median of `--repeats` timed runs
+   after a warm one. The roofline takes the faster of the two bandwidths: it is a bound,
+   so the best the machine showed.
 2. The roofline decode step at batch b, by jaxserve.planner's Roofline: max((weight bytes +
-   b × KV bytes per sequence) ÷ bandwidth, 2 × params × b ÷ matmul rate), with the weights
-   and KV at the served dtype and every sequence at `--context` tokens.
+   b × KV bytes per sequence) ÷ bandwidth, 2 × params × b ÷ matmul rate), with the bytes
+   the engine reads as it holds them (every parameter but an embedding table that a
+   separate head leaves to lookups; the KV pool's bytes per token) and every sequence at
+   `--context` tokens.
 3. The measured step: the engine's ModelRunner runs b decode rows, each at position
    `--context` on KV pages of its own (host packing and the one device→host copy
    included, as in serving), in the bucket the scheduler would pick; compiled and run twice
@@ -31,10 +35,12 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from common import RESULTS, markdown_table, write_json
 from steps import fabricated_step, release
 
 from jaxserve import LLM
+from jaxserve.cpu_kernels.linear import pack, packed_linear
 from jaxserve.planner import ModelShape, Roofline
 
 
@@ -49,8 +55,10 @@ def median_seconds(fn: Callable[[], object], repeats: int) -> float:
     return statistics.median(times)
 
 
-def measure_machine(bandwidth_mb: int, matmul_n: int, dtype: str, repeats: int) -> dict:
-    """Read and copy bandwidth and the matmul rate at `dtype` of the default device."""
+def measure_machine(bandwidth_mb: int, matmul_n: int, dtype: str, repeats: int,
+                    llm: LLM) -> dict:
+    """Read and copy bandwidth, and the rate of `llm`'s projections: XLA's matmul at
+    `dtype`, or its bf16 CPU kernel's."""
     read, copy, dot = jax.jit(jnp.sum), jax.jit(lambda v: v + 1), jax.jit(jnp.dot)
     x = jnp.ones(bandwidth_mb * 2**20 // 4, jnp.float32)
     read_s = median_seconds(lambda: read(x), repeats)
@@ -58,6 +66,13 @@ def measure_machine(bandwidth_mb: int, matmul_n: int, dtype: str, repeats: int) 
     key_a, key_b = jax.random.split(jax.random.key(0))
     a = jax.random.normal(key_a, (matmul_n, matmul_n), dtype)
     b = jax.random.normal(key_b, (matmul_n, matmul_n), dtype)
+    matmul = dtype
+    if llm.linear_backend != "xla":  # the kernel, as the engine calls it
+        matmul = f"{llm.linear_backend} kernel, activations {llm.linear_activations}"
+        passes = 1 if llm.linear_activations == "bf16" else 2
+        packed = jnp.asarray(pack(np.asarray(b, np.float32)))
+        dot = jax.jit(lambda a, w: packed_linear(a, w, None, llm.linear_backend, passes))
+        a, b = a.astype(jnp.float32), packed
     dot_s = median_seconds(lambda: dot(a, b), repeats)
     read_bw, copy_bw = x.nbytes / read_s, 2 * x.nbytes / copy_s
     return {
@@ -67,7 +82,7 @@ def measure_machine(bandwidth_mb: int, matmul_n: int, dtype: str, repeats: int) 
         "copy_bandwidth_gbps": copy_bw / 1e9,
         "bandwidth_gbps": max(read_bw, copy_bw) / 1e9,  # the roofline's
         "matmul_n": matmul_n,
-        "matmul_dtype": dtype,
+        "matmul_dtype": matmul,
         "matmul_tflops": 2 * matmul_n**3 / dot_s / 1e12,
     }
 
@@ -124,7 +139,6 @@ def main() -> None:
     if batches[0] < 1 or args.steps < 1:
         parser.error("batches and --steps must be >= 1")
 
-    machine = measure_machine(args.bandwidth_mb, args.matmul_n, args.dtype, args.repeats)
     pages_per_row = -(-args.context // args.page_size)
     llm = LLM(
         args.model,
@@ -135,11 +149,15 @@ def main() -> None:
         max_model_len=pages_per_row * args.page_size,
         dtype=args.dtype,
     )
+    machine = measure_machine(args.bandwidth_mb, args.matmul_n, args.dtype, args.repeats, llm)
     shape = model_shape(llm)
-    itemsize = jnp.dtype(args.dtype).itemsize
-    kv_per_token = 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * itemsize
+    kv_per_token = llm.kv_bytes_per_token
+    state = llm.runner.state
+    weight_bytes = llm.weight_bytes  # a separate (or packed) head: the table is looked up
+    if "lm_head" in state:
+        weight_bytes -= sum(x.nbytes for x in jax.tree.leaves(state["embed"]))
     roof = Roofline(
-        weight_bytes=shape.num_params * itemsize,
+        weight_bytes=weight_bytes,
         kv_bytes_per_sequence=args.context * kv_per_token,
         flops_per_token=2 * shape.num_params,
         bandwidth=machine["bandwidth_gbps"] * 1e9,
@@ -163,10 +181,12 @@ def main() -> None:
     median = statistics.median(p["ratio"] for p in points)
 
     print(
-        f"{shape.name}: {shape.num_params / 1e6:.1f} M params, {args.dtype}, context "
-        f"{args.context}; {machine['device']}: {machine['bandwidth_gbps']:.1f} GB/s "
+        f"{shape.name}: {shape.num_params / 1e6:.1f} M params, {args.dtype}, weights "
+        f"{llm.weight_dtype} ({weight_bytes / 2**20:.1f} MiB read a step), KV {llm.kv_dtype} "
+        f"({kv_per_token:,} B/token), context {args.context}; {machine['device']}: "
+        f"{machine['bandwidth_gbps']:.1f} GB/s "
         f"(read {machine['read_bandwidth_gbps']:.1f}, copy {machine['copy_bandwidth_gbps']:.1f}),"
-        f" {machine['matmul_tflops'] * 1e3:.1f} GFLOP/s {args.dtype} matmul\n"
+        f" {machine['matmul_tflops'] * 1e3:.1f} GFLOP/s matmul ({machine['matmul_dtype']})\n"
     )
     rows = [
         [p["batch"], "x".join(map(str, p["bucket"])), f"{p['measured_ms']:.2f}",
@@ -187,6 +207,9 @@ def main() -> None:
             "model": dataclasses.asdict(shape),
             "num_params": shape.num_params,
             "dtype": args.dtype,
+            "weight_dtype": llm.weight_dtype,
+            "kv_dtype": llm.kv_dtype,
+            "linear_backend": llm.linear_backend,
             "weight_bytes": roof.weight_bytes,
             "kv_bytes_per_token": kv_per_token,
             "kv_bytes_per_sequence": roof.kv_bytes_per_sequence,

@@ -89,6 +89,11 @@ CREATE TABLE IF NOT EXISTS requests (
 CREATE INDEX IF NOT EXISTS requests_by_batch ON requests (batch_id, state);
 CREATE INDEX IF NOT EXISTS requests_by_model ON requests (state, model);
 """
+# columns added after a store could first be written: (table, column, definition), added
+# on open to a store that lacks them (an existing file or batch belongs to no key, '')
+ADDED_COLUMNS = (("files", "owner", "TEXT NOT NULL DEFAULT ''"),
+                 ("batches", "owner", "TEXT NOT NULL DEFAULT ''"))
+
 
 
 @dataclass(frozen=True, slots=True)
@@ -228,6 +233,10 @@ class BatchStore:
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=NORMAL")
         self._db.executescript(SCHEMA)
+        for table, column, definition in ADDED_COLUMNS:
+            have = {row["name"] for row in self._db.execute(f"PRAGMA table_info({table})")}
+            if column not in have:
+                self._db.execute(f"ALTER TABLE {table} ADD COLUMN {column} {definition}")
         with self._tx() as db:  # what a gateway that died left running runs again
             db.execute("UPDATE requests SET state = 'pending' WHERE state = 'running'")
             cancelling = db.execute("SELECT id FROM batches WHERE status = 'cancelling'")

@@ -8,6 +8,7 @@ from hf_models import save_random_model
 from serving import ROOT
 
 from jaxserve.checkpoint.tokenizer import Tokenizer
+from jaxserve.planner import kv_bytes_per_token
 
 
 def test_tiny_roofline_calibrates_the_planner(tmp_path, smollm2_gguf):
@@ -33,6 +34,9 @@ def test_tiny_roofline_calibrates_the_planner(tmp_path, smollm2_gguf):
         assert p["roofline_ms"] == max(p["memory_ms"], p["compute_ms"])
     assert calibration["median"] == (points[0]["ratio"] + points[1]["ratio"]) / 2
     assert data["machine"]["bandwidth_gbps"] > 0 and data["machine"]["matmul_tflops"] > 0
+    m = data["model"]  # the KV bytes are the engine's, in the dtype it serves
+    assert data["kv_bytes_per_token"] == kv_bytes_per_token(
+        m["num_layers"], m["num_kv_heads"], m["head_dim"], data["kv_dtype"])
 
     plan = subprocess.run(
         [sys.executable, "-m", "jaxserve.cli", "plan", "--model", "smollm2-135m", "--chip", "h100",

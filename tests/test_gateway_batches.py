@@ -8,6 +8,8 @@ batch on a real `jaxserve serve` process.
 
 import asyncio
 import json
+import re
+import sqlite3
 import threading
 import time
 import urllib.error
@@ -22,7 +24,7 @@ from aiohttp import web
 from gateway import batch_api
 from gateway.batch_api import add_routes
 from gateway.batch_runner import BatchRunner
-from gateway.batch_store import BatchStore
+from gateway.batch_store import SCHEMA, BatchStore
 from server.protocol import APIError
 from server.responses import json_response
 
@@ -375,6 +377,25 @@ def test_a_failure_ends_one_request_only(tmp_path):
         assert output["req-4"]["response"]["status_code"] == 400
         counts = batch.request_counts
         assert (counts.total, counts.completed, counts.failed) == (6, 4, 2)
+
+
+def test_a_store_written_before_owners_opens_with_its_batches(tmp_path):
+    """A batch database from before files and batches had owners (no `owner` columns)
+    gains them on open; what it held belongs to no key and is still read."""
+    db = tmp_path / "old.sqlite"
+    with sqlite3.connect(db) as old:
+        old.executescript(re.sub(r",\s*owner TEXT NOT NULL DEFAULT ''[^\n]*", "", SCHEMA))
+        old.execute("INSERT INTO files (id, purpose, filename, bytes, created_at, content)"
+                    " VALUES ('file-old', 'batch', 'a.jsonl', 2, 0, x'7b7d')")
+    old.close()
+    store = BatchStore(db)
+    try:
+        assert store.get_file("file-old", owner="").filename == "a.jsonl"
+        assert [f.id for f in store.list_files(owner="")] == ["file-old"]
+        assert store.list_batches(owner="") == []
+    finally:
+        store.close()
+    BatchStore(db).close()  # opened again: nothing left to add
 
 
 def test_a_stopped_runner_picks_up_where_it_left_off(tmp_path):
