@@ -56,9 +56,9 @@ def median_seconds(fn: Callable[[], object], repeats: int) -> float:
 
 
 def measure_machine(bandwidth_mb: int, matmul_n: int, dtype: str, repeats: int,
-                    llm: LLM) -> dict:
-    """Read and copy bandwidth, and the rate of `llm`'s projections: XLA's matmul at
-    `dtype`, or its bf16 CPU kernel's."""
+                    llm: LLM | None = None) -> dict:
+    """Read and copy bandwidth, and the rate of the projections: XLA's matmul at `dtype`,
+    or, where `llm` multiplies on a bf16 CPU kernel, that kernel's."""
     read, copy, dot = jax.jit(jnp.sum), jax.jit(lambda v: v + 1), jax.jit(jnp.dot)
     x = jnp.ones(bandwidth_mb * 2**20 // 4, jnp.float32)
     read_s = median_seconds(lambda: read(x), repeats)
@@ -67,7 +67,7 @@ def measure_machine(bandwidth_mb: int, matmul_n: int, dtype: str, repeats: int,
     a = jax.random.normal(key_a, (matmul_n, matmul_n), dtype)
     b = jax.random.normal(key_b, (matmul_n, matmul_n), dtype)
     matmul = dtype
-    if llm.linear_backend != "xla":  # the kernel, as the engine calls it
+    if llm is not None and llm.linear_backend != "xla":  # the kernel, as the engine calls it
         matmul = f"{llm.linear_backend} kernel, activations {llm.linear_activations}"
         passes = 1 if llm.linear_activations == "bf16" else 2
         packed = jnp.asarray(pack(np.asarray(b, np.float32)))
