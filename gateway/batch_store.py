@@ -95,7 +95,6 @@ ADDED_COLUMNS = (("files", "owner", "TEXT NOT NULL DEFAULT ''"),
                  ("batches", "owner", "TEXT NOT NULL DEFAULT ''"))
 
 
-
 @dataclass(frozen=True, slots=True)
 class StoredFile:
     id: str

@@ -169,39 +169,43 @@ AMX int64_t DrainColumns(const Problem& p, std::atomic<int64_t>& next, int64_t i
   return finished;
 }
 
+// One input pair `pair` of k block `kb`: acc[r][c] += x_hi[r] . w (+ x_lo[r] . w with kLo)
+// for R rows of x (from `row`) and the C column blocks of w from `w`, each pair of x
+// broadcast to the 16 lanes that `vdpbf16ps` multiplies by a row of a tile. VecBlock and
+// StreamBlocks both take this step, so they sum the same products in the same order.
+template <int R, int C, bool kLo>
+AVX512_BF16 inline __attribute__((always_inline)) void MultiplyPair(
+    const Problem& p, __m512 (&acc)[R][C], const uint16_t* w, int64_t row, int64_t kb,
+    int64_t pair) {
+  const int64_t depth = p.k_blocks * kDepth, at = kb * kDepth + 2 * pair;
+  __m512bh wv[C];
+  for (int c = 0; c < C; ++c)
+    wv[c] = reinterpret_cast<__m512bh>(
+        _mm512_loadu_si512(w + (c * p.k_blocks + kb) * kTile + pair * kDepth));
+  for (int r = 0; r < R; ++r) {
+    int32_t h;
+    std::memcpy(&h, p.x_hi + (row + r) * depth + at, sizeof h);
+    const __m512bh xh = reinterpret_cast<__m512bh>(_mm512_set1_epi32(h));
+    for (int c = 0; c < C; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], xh, wv[c]);
+    if constexpr (kLo) {
+      int32_t l;
+      std::memcpy(&l, p.x_lo + (row + r) * depth + at, sizeof l);
+      const __m512bh xl = reinterpret_cast<__m512bh>(_mm512_set1_epi32(l));
+      for (int c = 0; c < C; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], xl, wv[c]);
+    }
+  }
+}
+
 // Rows [0, R) (of a kVecRows block whose rows past `rows` hold zeros) times column blocks
-// [b, b + C): acc[r][c] += x_hi[r] . w (+ x_lo[r] . w with kLo), one input pair at a
-// time, each pair of x broadcast to the 16 lanes that `vdpbf16ps` multiplies by a row of
-// a tile.
+// [b, b + C), over every k block (MultiplyPair).
 template <int R, int C, bool kLo>
 AVX512_BF16 void VecBlock(const Problem& p, int64_t row, int64_t b, int64_t rows) {
-  const int64_t depth = p.k_blocks * kDepth;
-  const uint16_t* hi = p.x_hi + row * depth;
-  const uint16_t* lo = kLo ? p.x_lo + row * depth : nullptr;
   const uint16_t* w = p.w + b * p.k_blocks * kTile;
   __m512 acc[R][C];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
   for (int64_t kb = 0; kb < p.k_blocks; ++kb)
-    for (int64_t pair = 0; pair < kRows; ++pair) {
-      __m512bh wv[C];
-      for (int c = 0; c < C; ++c)
-        wv[c] = reinterpret_cast<__m512bh>(
-            _mm512_loadu_si512(w + (c * p.k_blocks + kb) * kTile + pair * kDepth));
-      const int64_t at = kb * kDepth + 2 * pair;
-      for (int r = 0; r < R; ++r) {
-        int32_t h;
-        std::memcpy(&h, hi + r * depth + at, sizeof h);
-        const __m512bh xh = reinterpret_cast<__m512bh>(_mm512_set1_epi32(h));
-        for (int c = 0; c < C; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], xh, wv[c]);
-        if constexpr (kLo) {
-          int32_t l;
-          std::memcpy(&l, lo + r * depth + at, sizeof l);
-          const __m512bh xl = reinterpret_cast<__m512bh>(_mm512_set1_epi32(l));
-          for (int c = 0; c < C; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], xl, wv[c]);
-        }
-      }
-    }
+    for (int64_t pair = 0; pair < kRows; ++pair) MultiplyPair<R, C, kLo>(p, acc, w, row, kb, pair);
   for (int64_t r = 0; r < std::min<int64_t>(R, rows); ++r)
     for (int c = 0; c < C; ++c)
       _mm512_storeu_ps(p.y + (row + r) * p.n + (b + c) * kCols, acc[r][c]);
@@ -233,7 +237,6 @@ AVX512_BF16 void VecColumns(const Problem& p, int64_t b0, int64_t b1) {
 template <int C, bool kLo>
 AVX512_BF16 void StreamBlocks(const Problem& p, int64_t b) {
   alignas(64) float acc[kStreamRows][C][kCols];
-  const int64_t depth = p.k_blocks * kDepth;
   const int64_t row_blocks = (p.m + kVecRows - 1) / kVecRows;  // rows past m hold zeros
   const uint16_t* w = p.w + b * p.k_blocks * kTile;
   for (int64_t kb = 0; kb < p.k_blocks; ++kb)
@@ -244,27 +247,11 @@ AVX512_BF16 void StreamBlocks(const Problem& p, int64_t b) {
         for (int c = 0; c < C; ++c)
           a[r][c] = kb ? _mm512_load_ps(acc[row + r][c]) : _mm512_setzero_ps();
       for (int64_t pair = 0; pair < kRows; ++pair) {
-        __m512bh wv[C];
-        for (int c = 0; c < C; ++c)
-          wv[c] = reinterpret_cast<__m512bh>(
-              _mm512_loadu_si512(w + (c * p.k_blocks + kb) * kTile + pair * kDepth));
         if (rb == 0)
           for (int c = 0; c < C; ++c)
             _mm_prefetch(reinterpret_cast<const char*>(
                 w + (c * p.k_blocks + kb + kAhead) * kTile + pair * kDepth), _MM_HINT_T0);
-        const int64_t at = kb * kDepth + 2 * pair;
-        for (int r = 0; r < kVecRows; ++r) {
-          int32_t h;
-          std::memcpy(&h, p.x_hi + (row + r) * depth + at, sizeof h);
-          const __m512bh xh = reinterpret_cast<__m512bh>(_mm512_set1_epi32(h));
-          for (int c = 0; c < C; ++c) a[r][c] = _mm512_dpbf16_ps(a[r][c], xh, wv[c]);
-          if constexpr (kLo) {
-            int32_t l;
-            std::memcpy(&l, p.x_lo + (row + r) * depth + at, sizeof l);
-            const __m512bh xl = reinterpret_cast<__m512bh>(_mm512_set1_epi32(l));
-            for (int c = 0; c < C; ++c) a[r][c] = _mm512_dpbf16_ps(a[r][c], xl, wv[c]);
-          }
-        }
+        MultiplyPair<kVecRows, C, kLo>(p, a, w, row, kb, pair);
       }
       for (int r = 0; r < kVecRows; ++r)
         for (int c = 0; c < C; ++c) _mm512_store_ps(acc[row + r][c], a[r][c]);
