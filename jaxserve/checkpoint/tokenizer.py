@@ -318,12 +318,12 @@ class IncrementalDetokenizer:
         self._skip_special_tokens = skip_special_tokens
         self._window_ids = list(prompt_ids or [])[-self._PROMPT_CONTEXT :]
         self._read_offset = len(self._window_ids)  # window ids before this are emitted
-        self._text = ""
+        self._pieces: list[str] = []  # not one growing str, which each append would copy
 
     @property
     def text(self) -> str:
         """All text emitted so far."""
-        return self._text
+        return "".join(self._pieces)
 
     def add(self, token_id: int) -> str:
         """Append one generated id; returns the text it completes (often "", never a split char)."""
@@ -343,7 +343,7 @@ class IncrementalDetokenizer:
         new_text = window[len(emitted) :]
         del self._window_ids[: self._read_offset]
         self._read_offset = len(self._window_ids)
-        self._text += new_text
+        self._pieces.append(new_text)
         return new_text
 
     def _decode(self, ids: list[int]) -> str:

@@ -212,14 +212,14 @@ class Engine:
                 log.exception("request %s failed: ending it alone", request.request_id)
                 self._isolate(request)
         streams = []
-        for row, chunk in enumerate(plan.chunks):
+        now = time.monotonic()  # every row's output is emitted now
+        for row, (chunk, accepted) in enumerate(zip(plan.chunks, output.accepted())):
             request = self.requests.get(chunk.request_id)
             if request is None:  # failed above
                 continue
             try:
                 faults.before_emit(request.request_id)
-                accepted = output.accepted(row)
-                appended = self._emit(request, output, row, accepted) if accepted else 0
+                appended = self._emit(request, output, row, accepted, now) if accepted else 0
                 self.scheduler.advance(request, chunk, appended)
                 if request.finished:
                     self._free(request)
@@ -276,7 +276,7 @@ class Engine:
             request.prompt_top_logprobs.append({int(t): float(v) for t, v in zip(ids, values)})
 
     def _emit(
-        self, request: Request, output: StepOutput, row: int, accepted: list[int]
+        self, request: Request, output: StepOutput, row: int, accepted: list[int], now: float
     ) -> int:
         """Append the row's accepted tokens to `request` until one stops it, and push what
         they produced to its stream without waking the consumer (the caller does, for
@@ -307,6 +307,7 @@ class Engine:
             logprobs,
             top,
             queue_seconds=request.admitted_time - request.arrival_time if first else None,
+            time=now,
             prompt_logprobs=tuple(request.prompt_logprobs) if prompt else None,
             prompt_top_logprobs=tuple(request.prompt_top_logprobs) if prompt else None,
         )

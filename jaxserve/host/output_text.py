@@ -23,13 +23,19 @@ class OutputText:
     tokenizer: Tokenizer
     eos_token_ids: tuple[int, ...]
     num_generated: int = 0
-    text: str = ""  # released text: never contains (the start of) a stop string
     finish_reason: str | None = None  # "stop" or "length" once finished
     _detok: IncrementalDetokenizer = field(init=False)
     _pending: str = field(init=False, default="")  # decoded but held back
+    # released pieces: appending to a str attribute copies it, O(length²) over an output
+    _released: list[str] = field(init=False, default_factory=list)
 
     def __post_init__(self) -> None:
         self._detok = IncrementalDetokenizer(self.tokenizer, list(self.prompt_ids))
+
+    @property
+    def text(self) -> str:
+        """The released text: never contains (the start of) a stop string."""
+        return "".join(self._released)
 
     @property
     def finished(self) -> bool:
@@ -52,12 +58,13 @@ class OutputText:
         if self.num_generated >= self.params.max_tokens:
             self.finish_reason = "length"
             return self._release(self._pending + self._detok.flush())
-        keep = _partial_stop_suffix(self._pending, self.params.stop)
+        keep = _partial_stop_suffix(self._pending, self.params.stop) if self.params.stop else 0
         return self._release(self._pending[: len(self._pending) - keep], keep)
 
     def _release(self, text: str, keep: int = 0) -> str:
         self._pending = self._pending[len(self._pending) - keep :] if keep else ""
-        self.text += text
+        if text:
+            self._released.append(text)
         return text
 
 

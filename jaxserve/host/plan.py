@@ -19,9 +19,13 @@ from jaxserve.config import SamplingParams
 GREEDY = SamplingParams(temperature=0.0)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Chunk:
-    """One row's work this step: tokens to compute from `start`, and how to sample after."""
+    """One row's work this step: tokens to compute from `start`, and how to sample after.
+
+    Not frozen, though nothing changes it once made: a frozen dataclass's `__init__` sets
+    each field through `object.__setattr__`, 1.3 us against 0.2 for these 15 fields, paid
+    for every row of every step."""
 
     token_ids: Sequence[int]  # the tokens to compute, real ones then `num_speculative` drafts
     start: int  # position of token_ids[0] in the request

@@ -33,8 +33,10 @@ class StepOutput:
     # seconds the host waited on the device for this step's results (0: no device)
     device_seconds: float = 0.0
 
-    def accepted(self, row: int) -> list[int]:
-        return self.tokens[row, : self.num_accepted[row]].tolist()
+    def accepted(self) -> list[list[int]]:
+        """Every row's accepted tokens, converted in one go (slicing the arrays row by row
+        costs ~0.25 us a row, which a 256-row step pays on the host)."""
+        return [row[:n] for row, n in zip(self.tokens.tolist(), self.num_accepted.tolist())]
 
     @staticmethod
     def unpack(results: np.ndarray, samples: np.ndarray | None = None) -> "StepOutput":

@@ -20,9 +20,12 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class RequestOutput:
-    """What one step (or several merged: `num_steps`) produced for one request."""
+    """What one step (or several merged: `num_steps`) produced for one request.
+
+    Not frozen, though nothing changes it once pushed: made for every row of every step,
+    and a frozen dataclass's `__init__` costs ~6x (`plan.Chunk` says why)."""
 
     request_id: str
     token_ids: tuple[int, ...]  # new tokens this step
@@ -108,6 +111,7 @@ class OutputStream:
         self._loop = loop
         self._async_ready = asyncio.Event() if loop is not None else None
         self._finished_read = False  # the consumer has taken the final item
+        self._blocked = 0  # threads waiting in `get`: only they need the condition notified
 
     def push(self, item: RequestOutput, wake: bool = True) -> None:
         """Append without blocking, or merge into the last unread output (see above).
@@ -129,7 +133,8 @@ class OutputStream:
                 if not isinstance(tail, _Merged):
                     tail = items[-1] = _Merged(tail)
                 tail.add(item)
-            self._ready.notify_all()
+            if self._blocked:
+                self._ready.notify_all()
         if wake:
             notify([self])
 
@@ -150,8 +155,12 @@ class OutputStream:
     def get(self, timeout: float | None = None) -> RequestOutput:
         """Next item, waiting up to `timeout` seconds (TimeoutError after)."""
         with self._ready:
-            if not self._ready.wait_for(lambda: self._items, timeout):
-                raise TimeoutError(f"no output for {self.request_id} in {timeout}s")
+            self._blocked += 1
+            try:
+                if not self._ready.wait_for(lambda: self._items, timeout):
+                    raise TimeoutError(f"no output for {self.request_id} in {timeout}s")
+            finally:
+                self._blocked -= 1
             return self._pop()
 
     def __aiter__(self) -> "OutputStream":
