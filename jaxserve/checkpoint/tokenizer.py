@@ -13,12 +13,13 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, ClassVar
 
-import gguf
 import jinja2
 import jinja2.ext
 import tokenizers
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, decoders, pre_tokenizers, processors
+
+from jaxserve.checkpoint.gguf_file import read_gguf
 
 # llama.cpp's token types (gguf.TokenType): control tokens are the special ones (`<|im_end|>`),
 # user-defined ones are added tokens matched whole in text but kept when decoding (`<think>`).
@@ -117,14 +118,9 @@ class Tokenizer:
 
     @classmethod
     def from_gguf(cls, path: str | Path) -> "Tokenizer":
-        """Read the tokenizer metadata of a GGUF file (a few seconds for the reader to index it)."""
-        reader = gguf.GGUFReader(str(path))
-        fields = {
-            key: reader.fields[key].contents()
-            for key in _GGUF_TOKENIZER_KEYS
-            if key in reader.fields
-        }
-        return cls.from_gguf_fields(fields)
+        """Read the tokenizer metadata of a GGUF file."""
+        fields = read_gguf(path).fields
+        return cls.from_gguf_fields({k: fields[k] for k in _GGUF_TOKENIZER_KEYS if k in fields})
 
     @classmethod
     def from_gguf_fields(cls, fields: Mapping[str, Any]) -> "Tokenizer":

@@ -18,6 +18,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
+from jaxserve.checkpoint.gguf_file import read_gguf
 from jaxserve.checkpoint.model_config import (
     WeightsError,
     gguf_architecture,
@@ -101,30 +102,15 @@ def get_model_spec_or_raise(arch: str, source: str) -> ModelSpec:
         raise WeightsError(f"{source}: {e}") from None
 
 
-_GGUF_VOCAB_FIELDS = ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type")
-
-
-def gguf_fields(reader) -> dict[str, object]:
-    """GGUF metadata as plain Python values, without the (large) vocabulary arrays."""
-    return {
-        name: field.contents()
-        for name, field in reader.fields.items()
-        if name not in _GGUF_VOCAB_FIELDS
-    }
-
-
 def open_gguf(path: Path) -> Checkpoint:
     """A GGUF file: metadata → config; tensors dequantized on demand, renamed to HF names."""
-    import gguf
-
     try:
-        reader = gguf.GGUFReader(path)
-    except Exception as e:  # noqa: BLE001 (gguf raises ValueError, struct.error, ...)
+        gguf_file = read_gguf(path)
+    except Exception as e:  # noqa: BLE001 (ValueError, struct.error, UnicodeDecodeError, ...)
         raise WeightsError(f"{path}: not a readable GGUF file ({e})") from None
-    tensor_names = {t.name for t in reader.tensors}
-    tokens = reader.fields.get("tokenizer.ggml.tokens")
-    vocab_size = len(tokens.data) if tokens is not None else 0
-    fields = gguf_fields(reader)
+    tensor_names = {t.name for t in gguf_file.tensors}
+    fields = gguf_file.fields
+    vocab_size = len(fields.get("tokenizer.ggml.tokens", ()))
     spec = get_model_spec_or_raise(gguf_architecture(fields, str(path)), str(path))
     if not spec.gguf_names:
         raise WeightsError(f"{path}: architecture {fields['general.architecture']!r} is not "
@@ -142,7 +128,7 @@ def open_gguf(path: Path) -> Checkpoint:
         for i in (range(config.num_layers) if "{layer}" in gguf else (0,))
     }
     loaders: dict[str, Callable[[], np.ndarray]] = {}
-    for tensor in reader.tensors:
+    for tensor in gguf_file.tensors:
         hf_name = hf_names.get(tensor.name)
         if hf_name is None:
             continue
