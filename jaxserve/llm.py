@@ -136,6 +136,9 @@ class LLM:
             self.mesh,
             self.kv_dtype,
             (cfg.max_loras, cfg.max_lora_rank) if cfg.serves_adapters else None,
+            # beside jax's cache: a warm start loads each bucket without tracing it
+            Path(cfg.compilation_cache_dir) / "executables" if cfg.compilation_cache_dir
+            else None,
         )
         # LoRA adapters, read before the warm-up so that a bad one fails the start at once
         self.adapters = None

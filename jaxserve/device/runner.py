@@ -30,6 +30,7 @@ from jaxserve.checkpoint.adapter import Adapter
 from jaxserve.device.adapters import SlotStore, slot_axes
 from jaxserve.device.attention import select_backend
 from jaxserve.device.batch import pack_step
+from jaxserve.device.executables import ExecutableStore, compile_ahead
 from jaxserve.device.kv_cache import (
     CALIBRATED,
     CALIBRATION_HEADROOM,
@@ -127,9 +128,12 @@ class ModelRunner:
         mesh: jax.sharding.Mesh | None = None,
         kv_dtype: str | None = None,
         adapter_slots: tuple[int, int] | None = None,
+        executable_dir: str | Path | None = None,
     ):
         """`kv_dtype` is how pages store K and V (a kv_cache.KV_STORAGE name); None: in
-        `dtype`. `adapter_slots`: (slots, max rank) of LoRA adapters to serve; None: none."""
+        `dtype`. `adapter_slots`: (slots, max rank) of LoRA adapters to serve; None: none.
+        `executable_dir`: where each bucket's executable is kept between starts
+        (executables.py); None: compiled each start."""
         cfg = model.config
         self.graphdef, self.state = nnx.split(model)
         self.buckets = buckets
@@ -180,6 +184,13 @@ class ModelRunner:
         self._weights = jax.tree.leaves(self.state)  # what the jitted calls take
         self._step = jit_step(self.graphdef, self.state, self.layout)
         self._score = jit_score(self.graphdef, self.state, self.layout)
+        # each (program, bucket)'s executable, compiled (or loaded) on its first call
+        self._executables: dict[tuple[str, tuple[int, int]], jax.stages.Compiled] = {}
+        self.executable_store = None
+        if executable_dir is not None and jax.process_count() == 1:
+            program = repr((cfg, self.graphdef, jax.tree.structure(self.state), self.backend,
+                            self.page_size, self.max_pages, self.kv_dtype, self.spare_row))
+            self.executable_store = ExecutableStore(executable_dir, program)
         # process 0 of several announces each device call to the others (multihost)
         self.channel = StepChannel() if jax.process_count() > 1 and is_leader() else None
         self.step_times: dict[tuple[int, int], float] = {}  # bucket -> median seconds
@@ -237,11 +248,9 @@ class ModelRunner:
         return _concatenate([self._score_pack([], num_tokens)] * self.num_shards)
 
     def dispatch_score(self, inputs: tuple, num_tokens: int) -> jax.Array:
-        before = _COMPILES.count
-        results, self.kv_cache = self._score(
-            self._weights, self.kv_cache, *self._global(inputs), self.adapter_slots
-        )
-        self._count_compiles(before, (num_tokens, 1))
+        args = (self._weights, self.kv_cache, *self._global(inputs), self.adapter_slots)
+        results, self.kv_cache = self._executable("score", self._score, (num_tokens, 1), args)(
+            *args)
         return results
 
     def pack(self, plan: StepPlan) -> StepInputs:
@@ -284,13 +293,26 @@ class ModelRunner:
         return _concatenate([self._step_pack([], bucket)] * self.num_shards)
 
     def dispatch_step(self, inputs: StepInputs, bucket: tuple[int, int]) -> jax.Array:
-        before = _COMPILES.count
-        results, self.kv_cache, self.penalties = self._step(
-            self._weights, self.kv_cache, self.penalties, self._global(inputs),
-            self.adapter_slots,
-        )
-        self._count_compiles(before, bucket)
+        args = (self._weights, self.kv_cache, self.penalties, self._global(inputs),
+                self.adapter_slots)
+        results, self.kv_cache, self.penalties = self._executable(
+            "step", self._step, bucket, args)(*args)
         return results
+
+    def _executable(self, name: str, fn: Callable, shape: tuple[int, int], args: tuple
+                    ) -> jax.stages.Compiled:
+        """`fn`'s executable for this bucket: made on its first call (from the store when
+        one is kept, else compiled), the same one afterwards."""
+        executable = self._executables.get((name, shape))
+        if executable is None:
+            before = _COMPILES.count
+            if self.executable_store is None:
+                executable = compile_ahead(fn, args)
+            else:
+                executable = self.executable_store.load_or_compile(f"{name} {shape}", fn, args)
+            self._executables[(name, shape)] = executable
+            self._count_compiles(before, shape)
+        return executable
 
     def _global(self, inputs: object) -> object:
         """Host inputs as arrays split over the data shards. Across processes jax takes
