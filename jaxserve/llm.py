@@ -64,7 +64,12 @@ class LLM:
         if config is not None and overrides:
             raise TypeError("pass either config or EngineConfig fields, not both")
         cfg = self.engine_config
-        if cfg.compilation_cache_dir:
+        # one process: each bucket's executable is kept (device/executables.py), and jax's
+        # own cache stays off (what it loads cannot be kept); several: jax's cache
+        executable_dir = None
+        if cfg.compilation_cache_dir and jax.process_count() == 1:
+            executable_dir = Path(cfg.compilation_cache_dir) / "executables"
+        elif cfg.compilation_cache_dir:
             enable_compilation_cache(cfg.compilation_cache_dir)
         self.model_path = Path(model) if model is not None else default_model_path()
         # one device unsharded; otherwise weights load straight into their shards
@@ -136,9 +141,7 @@ class LLM:
             self.mesh,
             self.kv_dtype,
             (cfg.max_loras, cfg.max_lora_rank) if cfg.serves_adapters else None,
-            # beside jax's cache: a warm start loads each bucket without tracing it
-            Path(cfg.compilation_cache_dir) / "executables" if cfg.compilation_cache_dir
-            else None,
+            executable_dir,
         )
         # LoRA adapters, read before the warm-up so that a bad one fails the start at once
         self.adapters = None

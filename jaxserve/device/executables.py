@@ -7,7 +7,8 @@ serialized (`jax.experimental.serialize_executable`) under a key of everything i
 program depends on: jaxserve's own source files, jax's version, the platform, the CPU
 and XLA_FLAGS (the file name's prefix), then the model's graph and config, the runner's
 static settings and every argument's shape, dtype and sharding. A key that misses is
-lowered and compiled (past jax's caches: see `_SERIALIZED`) and stored. Files under another
+lowered and compiled (past jax's caches: see `_SERIALIZED`) and stored; jax's disk
+cache stays off where this store is used. Files under another
 prefix were written by other sources or another jax, and are deleted on open.
 """
 
@@ -27,10 +28,11 @@ log = logging.getLogger(__name__)
 
 _PACKAGE = Path(__file__).resolve().parents[1]  # jaxserve/
 # On CPU (jaxlib 0.10.2) an executable serializes whole only the first time its program
-# is compiled in a process: compiled again (another LLM, another store), or handed back
-# by one of jax's caches, it serializes without its kernels' code, and the copy fails
-# when it runs ("Function wrapped_iota not found"). So this process's first
-# serialization of each file is kept, and written wherever the file is missing.
+# is compiled in a process: compiled again (another LLM, another store), or loaded by
+# jax's disk cache, it serializes without its kernels' code, and the copy fails when it
+# runs ("Function wrapped_iota not found"). So this process's first serialization of
+# each file is kept and written wherever the file is missing, and what jax's disk cache
+# answers is never kept (the engine turns that cache off where it keeps executables).
 _SERIALIZED: dict[str, bytes] = {}
 
 
@@ -68,6 +70,10 @@ class ExecutableStore:
         payload = _SERIALIZED.get(path.name)
         if payload is None:
             compiled = _compile_afresh(fn, args)
+            if compiled is None:  # it would be stored without its kernels: not stored
+                log.warning("jax's compilation cache is on in this process: %s is not kept",
+                            name)
+                return compile_ahead(fn, args)
             payload = _SERIALIZED[path.name] = pickle.dumps(
                 serialize_executable.serialize(compiled))
         else:  # compiled here before, for another store: its first serialization
@@ -85,15 +91,28 @@ class ExecutableStore:
         return hashlib.sha256(text.encode()).hexdigest()[:32]
 
 
-def _compile_afresh(fn: Callable, args: Sequence) -> jax.stages.Compiled:
-    """Compiled by XLA now, past jax's in-memory and on-disk caches (see _SERIALIZED)."""
+def _compile_afresh(fn: Callable, args: Sequence) -> jax.stages.Compiled | None:
+    """Compiled by XLA now, past jax's in-memory cache; None if jax's disk cache (turned on
+    elsewhere in this process) answered instead (see _SERIALIZED)."""
     clear_in_memory_compilation_cache()
-    previous = jax.config.jax_enable_compilation_cache
-    jax.config.update("jax_enable_compilation_cache", False)
-    try:
-        return compile_ahead(fn, args)
-    finally:
-        jax.config.update("jax_enable_compilation_cache", previous)
+    hits = _DISK_CACHE_HITS.count
+    compiled = compile_ahead(fn, args)
+    return compiled if _DISK_CACHE_HITS.count == hits else None
+
+
+class _EventCounter:
+    """How many times jax has recorded one monitoring event in this process."""
+
+    def __init__(self, event: str):
+        self.event, self.count = event, 0
+        jax.monitoring.register_event_listener(self._on_event)
+
+    def _on_event(self, event: str, **kwargs) -> None:
+        if event == self.event:
+            self.count += 1
+
+
+_DISK_CACHE_HITS = _EventCounter("/jax/compilation_cache/cache_hits")
 
 
 def _environment_key() -> str:

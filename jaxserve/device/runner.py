@@ -187,7 +187,7 @@ class ModelRunner:
         # each (program, bucket)'s executable, compiled (or loaded) on its first call
         self._executables: dict[tuple[str, tuple[int, int]], jax.stages.Compiled] = {}
         self.executable_store = None
-        if executable_dir is not None and jax.process_count() == 1:
+        if executable_dir is not None:
             program = repr((cfg, self.graphdef, jax.tree.structure(self.state), self.backend,
                             self.page_size, self.max_pages, self.kv_dtype, self.spare_row))
             self.executable_store = ExecutableStore(executable_dir, program)
