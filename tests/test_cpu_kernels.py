@@ -8,6 +8,7 @@ by storage.dequantize: both see identical values, so they agree to f32 rounding.
 """
 
 import functools
+import itertools
 
 import jax
 import jax.numpy as jnp
@@ -225,6 +226,38 @@ def test_stale_slots_junk_pages_and_padding_do_not_leak(storage):
     assert np.isfinite(dirty).all()
     np.testing.assert_array_equal(dirty, clean)
 
+
+
+@pytest.mark.parametrize("storage", ["f32", *QUANTIZED])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_a_tokens_output_is_the_same_however_its_prompt_is_chunked(storage, head_dim):
+    """Bitwise, on the specialized shapes: a prompt attended whole, in ragged chunks (one
+    call each, or all as rows of one call) and a token at a time. The kernel takes a tile
+    of many queries and a decode's few in different loops; were their sums rounded
+    differently, a token's output would depend on how the scheduler chunked its prompt,
+    and sampled tokens on what else shared the step."""
+    rng = np.random.default_rng(head_dim + len(storage))
+    page_size, group, num_kv_heads, length = 16, 3, 2, 70
+    shape = (1, num_kv_heads, NUM_PAGES, page_size, head_dim)
+    (k, k_scale, _), (v, v_scale, _) = (store(rng.standard_normal(shape, np.float32), storage)
+                                        for _ in range(2))
+    table = assign_pages(rng, np.array([length]), page_size)
+    q = rng.standard_normal((length, group * num_kv_heads, head_dim), np.float32)
+
+    def attend(starts: list[int], ends: list[int]) -> np.ndarray:
+        """Rows of tokens [start, end) of the prompt, each with the keys up to its end."""
+        rows = np.concatenate([q[a:b] for a, b in zip(starts, ends)])
+        cu_q_lens = np.concatenate([[0], np.cumsum(np.subtract(ends, starts))]).astype(np.int32)
+        return np.asarray(cpu_paged_attention(
+            rows, k, v, cu_q_lens, np.array(ends, np.int32), np.repeat(table, len(ends), 0),
+            0, scale=head_dim**-0.5, **scales(k_scale, v_scale)))
+
+    whole = attend([0], [length])
+    cuts = [0, 5, 6, 22, 40, length]
+    for got in (np.concatenate([attend([a], [b]) for a, b in itertools.pairwise(cuts)]),
+                attend(cuts[:-1], cuts[1:]),
+                attend(list(range(length)), list(range(1, length + 1)))):
+        np.testing.assert_array_equal(got, whole)
 
 def call(q_dtype=jnp.float32, pool_dtype=jnp.float32, **scales):
     q = jnp.zeros((4, 2, 16), q_dtype)

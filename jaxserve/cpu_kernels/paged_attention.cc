@@ -42,6 +42,8 @@ namespace {
 constexpr int64_t kTileTokens = 16;  // tokens of one row per work item
 constexpr int64_t kMaxPageSize = 256;
 constexpr int64_t kTransposeQueries = 8;  // queries on a page from which K is transposed
+constexpr int64_t kLanes = 16;  // queries a vector holds, one a lane (AttendLanes)
+constexpr int64_t kLaneQueries = 16;  // queries of an item from which AttendLanes takes them
 
 // exp(x) for the x <= 0 of an online softmax (a score minus the running max), written
 // with plain arithmetic so that the compiler vectorizes the loops calling it (Cephes'
@@ -141,6 +143,8 @@ struct Scratch {
   std::vector<float> q, acc, m, l, s, kt;
   std::vector<float> k, v;  // one page dequantized, [page_size, head_dim]; not for f32
   std::vector<int64_t> pos, valid;
+  std::vector<float> qt;  // AttendLanes: q transposed, [blocks of kLanes queries, D, kLanes]
+  std::vector<int32_t> lane_pos;  // and each query's position (-1: none)
   Scratch(const Problem& p, int64_t group)
       : q(kTileTokens * group * p.head_dim),
         acc(kTileTokens * group * p.head_dim),
@@ -151,19 +155,44 @@ struct Scratch {
         k(p.dtype == ffi::DataType::F32 ? 0 : p.page_size * p.head_dim),
         v(p.dtype == ffi::DataType::F32 ? 0 : p.page_size * p.head_dim),
         pos(kTileTokens),
-        valid(kTileTokens * group) {}
+        valid(kTileTokens * group),
+        qt(kTileTokens * group * p.head_dim),
+        lane_pos(kTileTokens * group) {}
 };
 
 #ifdef __AVX512F__
-// Pages of 16 keys, AVX-512 (every SmolLM2/Llama-shaped step): up to 7 queries at a time
-// on one page (a decode's GQA group, or a slice of a prefill tile's). A query's 16 dot
-// products leave as 16 vectors of partial sums, which a transposing tree adds into one
-// vector of the 16 scores (31 shuffles, against 64 for a horizontal sum per key); the
-// online softmax runs on that vector, and each V row is loaded (and widened from bf16)
-// once for all the queries. Measured against the scalar-indexed loops below (30 layers,
-// 16 decode rows at context 256): f32 pages 21 -> 14-17 ms, bf16 17 -> 13-14 ms, with the
-// next page prefetched; prefill tiles about level.
+// Pages of 16 keys, AVX-512 (every SmolLM2/Llama-shaped step). A prefill tile's queries
+// go 16 at a time, a query a lane (AttendLanes); fewer (a decode's GQA group) up to 7 at a
+// time with the page's keys on the lanes (AttendPage, K transposed once a page), in the
+// same arithmetic. Each V row is loaded (and widened from bf16) once for all the queries.
+// The first version of AttendPage (a query's 16 dot products as vectors of partial sums
+// over the head, added by a transposing tree; measured against the scalar-indexed loops
+// below, 30 layers, 16 decode rows at context 256: f32 pages 21 -> 14-17 ms, bf16 17 ->
+// 13-14 ms, with the next page prefetched) took every query: ~3x AttendLanes' time on a
+// 256-token prefill, where a scalar exp per key was ~40 % of it.
 constexpr int64_t kPageQueries = 7;  // a page's queries at a time: their weights fit on the stack
+
+// ExpNonPositive on 16 lanes at once. (The compiler left the scalar one unvectorized in
+// AttendPage's loop over a page's 16 weights, a branch and 20 scalar operations a key:
+// ~40 % of a 256-token prefill's attention time.)
+inline __m512 ExpNonPositive(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  const __m512 n = _mm512_roundscale_ps(
+      _mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
+      _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  const __m512 r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f),
+                                   _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x));
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.0f));
+  const __m512i bits =
+      _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
+}
 
 template <typename Row>
 inline __m512 LoadRow(const Row* src) {
@@ -173,25 +202,6 @@ inline __m512 LoadRow(const Row* src) {
     const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src));
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
   }
-}
-
-// v[j]'s 16 lanes summed, for j < 16, as one vector in key order.
-inline __m512 SumEach(__m512 v[16]) {
-  __m512 w[8], x[4], y[2];
-  for (int i = 0; i < 8; ++i)  // lanes 0-7: key 2i's 8 partial sums; 8-15: key 2i+1's
-    w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
-                         _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
-  for (int i = 0; i < 4; ++i)  // quarter r: key 4i+r's 4 partial sums
-    x[i] = _mm512_add_ps(_mm512_shuffle_f32x4(w[2 * i], w[2 * i + 1], 0x88),
-                         _mm512_shuffle_f32x4(w[2 * i], w[2 * i + 1], 0xDD));
-  for (int i = 0; i < 2; ++i)  // quarter r: keys 8i+r (lanes 0, 1) and 8i+4+r (2, 3)
-    y[i] = _mm512_add_ps(_mm512_shuffle_ps(x[2 * i], x[2 * i + 1], 0x88),
-                         _mm512_shuffle_ps(x[2 * i], x[2 * i + 1], 0xDD));
-  // lane 4r + c: key r + 4c
-  const __m512 z = _mm512_add_ps(_mm512_shuffle_ps(y[0], y[1], 0x88),
-                                 _mm512_shuffle_ps(y[0], y[1], 0xDD));
-  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
-  return _mm512_permutexvar_ps(order, z);
 }
 
 // Queries whose outputs AddValues keeps in registers: up to 16 vectors of accumulators
@@ -228,38 +238,77 @@ inline void AddValues(const Row* __restrict v, const float (*e)[16], const int64
     for (int64_t c = 0; c < C; ++c) _mm512_storeu_ps(acc + b * D + 16 * c, out[b][c]);
 }
 
-// valid[qi]: the keys of this page query qi sees (0: none); q is scaled already.
+// The 16 rows of a page transposed into kt ([D][16] f32): a key a lane.
 template <typename Row, int64_t D>
-void AttendPage(const Row* __restrict k, const Row* __restrict v, int64_t n,
+inline void TransposePage(const Row* __restrict k, float* __restrict kt) {
+  for (int64_t d0 = 0; d0 < D; d0 += 16) {
+    __m512 r[16], t[16];
+    for (int j = 0; j < 16; ++j) r[j] = LoadRow(k + j * D + d0);
+    for (int j = 0; j < 16; j += 2) {
+      t[j] = _mm512_unpacklo_ps(r[j], r[j + 1]);
+      t[j + 1] = _mm512_unpackhi_ps(r[j], r[j + 1]);
+    }
+    for (int g = 0; g < 16; g += 4) {
+      r[g] = _mm512_shuffle_ps(t[g], t[g + 2], 0x44);
+      r[g + 1] = _mm512_shuffle_ps(t[g], t[g + 2], 0xEE);
+      r[g + 2] = _mm512_shuffle_ps(t[g + 1], t[g + 3], 0x44);
+      r[g + 3] = _mm512_shuffle_ps(t[g + 1], t[g + 3], 0xEE);
+    }
+    for (int h = 0; h < 16; h += 8)
+      for (int i = 0; i < 4; ++i) {
+        t[h + i] = _mm512_shuffle_f32x4(r[h + i], r[h + i + 4], 0x88);
+        t[h + i + 4] = _mm512_shuffle_f32x4(r[h + i], r[h + i + 4], 0xDD);
+      }
+    for (int i = 0; i < 8; ++i) {  // r[i]: column d0 + i of the 16 rows
+      r[i] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0x88);
+      r[i + 8] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0xDD);
+    }
+    for (int i = 0; i < 16; ++i) _mm512_storeu_ps(kt + (d0 + i) * 16, r[i]);
+  }
+}
+
+// A page's 16 weights summed as AttendLanes sums its 16 vectors of weights: j + j+8,
+// then + 4, + 2, + 1.
+inline float SumTree(__m512 w) {
+  const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(w),
+                                 _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(w), 1)));
+  __m128 x = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+  x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+  return _mm_cvtss_f32(_mm_add_ss(x, _mm_movehdup_ps(x)));
+}
+
+// A few queries on one page, its keys on the lanes (kt: the page's K transposed): the
+// arithmetic of AttendLanes for each query, operation for operation, so that a token's
+// output never depends on how many others its tile holds, i.e. on how its prompt was
+// chunked (batch invariance). valid[qi]: the keys of this page query qi sees (0: none);
+// q is scaled already.
+template <typename Row, int64_t D>
+void AttendPage(const float* __restrict kt, const Row* __restrict v, int64_t n,
                 const float* __restrict q, const int64_t* valid, float* __restrict m,
                 float* __restrict l, float* __restrict acc) {
   static_assert(D % 16 == 0);
   constexpr int64_t C = D / 16;  // vectors a row
+  constexpr int64_t Q = D / 2;   // AttendLanes' halves of the head
   alignas(64) float e[kPageQueries][16] = {};  // a query that sees no key keeps zeros
-  __m512 part[16];
   for (int64_t qi = 0; qi < n; ++qi) {
     if (!valid[qi]) continue;
-    __m512 qv[C];
-    for (int64_t c = 0; c < C; ++c) qv[c] = _mm512_loadu_ps(q + qi * D + 16 * c);
-    for (int64_t j = 0; j < 16; ++j) {
-      __m512 sum = _mm512_mul_ps(qv[0], LoadRow(k + j * D));
-      for (int64_t c = 1; c < C; ++c) sum = _mm512_fmadd_ps(qv[c], LoadRow(k + j * D + 16 * c), sum);
-      part[j] = sum;
-    }
+    const float* qv = q + qi * D;
+    __m512 half[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
+    for (int64_t d = 0; d < Q; ++d)
+      for (int c = 0; c < 2; ++c)
+        half[c] = _mm512_fmadd_ps(_mm512_set1_ps(qv[c * Q + d]),
+                                  _mm512_loadu_ps(kt + (c * Q + d) * 16), half[c]);
     const __mmask16 live = valid[qi] >= 16 ? 0xffff : (1u << valid[qi]) - 1;
-    const __m512 scores = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), live, SumEach(part));
+    const __m512 scores =
+        _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), live, _mm512_add_ps(half[0], half[1]));
     const float m_new = std::max(m[qi], _mm512_reduce_max_ps(scores));
-    const float correction = m[qi] == -INFINITY ? 0.0f : ExpNonPositive(m[qi] - m_new);
-    _mm512_store_ps(e[qi], _mm512_sub_ps(scores, _mm512_set1_ps(m_new)));
-    float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-    for (int64_t j = 0; j < 16; ++j) {
-      const float x = j < valid[qi] ? ExpNonPositive(e[qi][j]) : 0.0f;
-      e[qi][j] = x;
-      sum += x;
-    }
+    const float correction = m[qi] == -INFINITY ? 0.0f : _mm512_cvtss_f32(
+        ExpNonPositive(_mm512_set1_ps(m[qi] - m_new)));
+    const __m512 weights =
+        _mm512_maskz_mov_ps(live, ExpNonPositive(_mm512_sub_ps(scores, _mm512_set1_ps(m_new))));
+    _mm512_store_ps(e[qi], weights);
     m[qi] = m_new;
-    l[qi] = l[qi] * correction + sum;
+    l[qi] = std::fma(l[qi], correction, SumTree(weights));
     const __m512 corr = _mm512_set1_ps(correction);
     for (int64_t c = 0; c < C; ++c)
       _mm512_storeu_ps(acc + qi * D + 16 * c, _mm512_mul_ps(_mm512_loadu_ps(acc + qi * D + 16 * c), corr));
@@ -272,6 +321,75 @@ void AttendPage(const Row* __restrict k, const Row* __restrict v, int64_t n,
       case 2: AddValues<Row, D, 2>(v, e + q0, valid + q0, out); break;
       default: AddValues<Row, D, 1>(v, e + q0, valid + q0, out);
     }
+  }
+}
+
+// A prefill tile's queries (16 tokens × the GQA group) 16 at a time, one per lane: a key's
+// scores for 16 queries are one vector (D FMAs of its broadcast K values into qt, the
+// queries transposed), so the online softmax runs down the lanes with no horizontal
+// reduction or scalar exp, and the values add into the outputs transposed as well
+// (acc[d][lane]). AttendPage instead takes one query at a time: measured on a 256-token
+// prefill, its horizontal sums and per-query softmax cost ~3x the multiplies.
+// k and v: the page's 16 rows in f32; keys: how many of them any lane sees; pos: each
+// lane's position (-1: no query); m, l: each lane's running max and sum.
+template <int64_t D>
+void AttendLanes(const float* __restrict k, const float* __restrict v, int64_t keys,
+                 int64_t first_key, const float* __restrict qt, const int32_t* pos,
+                 float* __restrict m, float* __restrict l, float* __restrict acc) {
+  const __m512 neg_inf = _mm512_set1_ps(-INFINITY);
+  // eight keys at a time, each summed over the halves of the head in two vectors (one
+  // chain over all of D missed the float64 reference by 1e-4 relative on int8 pages)
+  constexpr int64_t Q = D / 2;
+  __m512 s[16];
+  for (int j0 = 0; j0 < 16; j0 += 8) {
+    __m512 part[8][2];
+    for (int j = 0; j < 8; ++j)
+      for (int c = 0; c < 2; ++c) part[j][c] = _mm512_setzero_ps();
+    for (int64_t d = 0; d < Q; ++d) {
+      __m512 qd[2];
+      for (int c = 0; c < 2; ++c) qd[c] = _mm512_loadu_ps(qt + (c * Q + d) * kLanes);
+      for (int j = 0; j < 8; ++j)
+        for (int c = 0; c < 2; ++c)
+          part[j][c] = _mm512_fmadd_ps(_mm512_set1_ps(k[(j0 + j) * D + c * Q + d]), qd[c],
+                                       part[j][c]);
+    }
+    for (int j = 0; j < 8; ++j) s[j0 + j] = _mm512_add_ps(part[j][0], part[j][1]);
+  }
+  const __m512i lane_pos = _mm512_loadu_si512(pos);
+  __mmask16 sees[16];
+  __m512 top = neg_inf;
+  for (int j = 0; j < 16; ++j) {
+    sees[j] = _mm512_cmp_epi32_mask(lane_pos, _mm512_set1_epi32(static_cast<int32_t>(first_key + j)),
+                                    _MM_CMPINT_NLT);
+    s[j] = _mm512_mask_mov_ps(neg_inf, sees[j], s[j]);  // a key a lane does not see
+    top = _mm512_max_ps(top, s[j]);
+  }
+  const __m512 m_old = _mm512_loadu_ps(m), m_new = _mm512_max_ps(m_old, top);
+  // a lane that has seen no key yet keeps -inf, and all its weights are masked to zero
+  const __m512 shift = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(m_new, neg_inf, _CMP_NEQ_OQ), m_new);
+  const __m512 correction = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(m_old, neg_inf, _CMP_NEQ_OQ),
+                                                ExpNonPositive(_mm512_sub_ps(m_old, shift)));
+  alignas(64) float e[16][kLanes];
+  for (int j = 0; j < 16; ++j) {
+    s[j] = _mm512_maskz_mov_ps(sees[j], ExpNonPositive(_mm512_sub_ps(s[j], shift)));
+    _mm512_store_ps(e[j], s[j]);
+  }
+  for (int width = 8; width; width /= 2)  // the weights' sum as a tree
+    for (int j = 0; j < width; ++j) s[j] = _mm512_add_ps(s[j], s[j + width]);
+  const __m512 sum = s[0];
+  _mm512_storeu_ps(m, m_new);
+  _mm512_storeu_ps(l, _mm512_fmadd_ps(_mm512_loadu_ps(l), correction, sum));
+  for (int64_t d0 = 0; d0 < D; d0 += 16) {
+    __m512 out[16];
+    for (int i = 0; i < 16; ++i)
+      out[i] = _mm512_mul_ps(_mm512_loadu_ps(acc + (d0 + i) * kLanes), correction);
+    for (int64_t j = 0; j < keys; ++j) {
+      const __m512 w = _mm512_load_ps(e[j]);
+      // masked rather than multiplied by a zero weight: a stale slot's NaN stays out
+      for (int i = 0; i < 16; ++i)
+        out[i] = _mm512_mask3_fmadd_ps(_mm512_set1_ps(v[j * D + d0 + i]), w, out[i], sees[j]);
+    }
+    for (int i = 0; i < 16; ++i) _mm512_storeu_ps(acc + (d0 + i) * kLanes, out[i]);
   }
 }
 #endif
@@ -306,9 +424,24 @@ void RunItem(const Problem& p, const Item& it, Scratch& sc) {
       for (int64_t d = 0; d < D; ++d) dst[d] = src[d] * p.scale;
     }
   }
-  std::fill(acc, acc + n * D, 0.0f);
-  std::fill(sc.m.begin(), sc.m.begin() + n, -INFINITY);
-  std::fill(sc.l.begin(), sc.l.begin() + n, 0.0f);
+#ifdef __AVX512F__
+  constexpr bool kFast = kPageSize == 16 && kHeadDim > 0 && kHeadDim % 16 == 0;
+  const bool lanes = kFast && n >= kLaneQueries;
+#else
+  const bool lanes = false;
+#endif
+  // AttendLanes keeps acc transposed, [block, D, kLanes], and fills whole blocks of lanes
+  const int64_t slots = lanes ? (n + kLanes - 1) / kLanes * kLanes : n;
+  std::fill(acc, acc + slots * D, 0.0f);
+  std::fill(sc.m.begin(), sc.m.begin() + slots, -INFINITY);
+  std::fill(sc.l.begin(), sc.l.begin() + slots, 0.0f);
+  if (lanes) {
+    for (int64_t qi = 0; qi < slots; ++qi) {
+      sc.lane_pos[qi] = qi < n ? static_cast<int32_t>(sc.pos[qi / group]) : -1;
+      float* dst = sc.qt.data() + qi / kLanes * D * kLanes + qi % kLanes;
+      for (int64_t d = 0; d < D; ++d) dst[d * kLanes] = qi < n ? q[qi * D + d] : 0.0f;
+    }
+  }
   const int64_t num_blocks = last_pos < 0 ? 0 : last_pos / PS + 1;
   const int64_t layer_offset = (p.layer * p.num_kv_heads + it.kv_head) * p.num_pages;
   for (int64_t b = 0; b < num_blocks; ++b) {
@@ -319,9 +452,9 @@ void RunItem(const Problem& p, const Item& it, Scratch& sc) {
     const Stored* k_page = static_cast<const Stored*>(p.k) + (layer_offset + page) * PS * D;
     const Stored* v_page = static_cast<const Stored*>(p.v) + (layer_offset + page) * PS * D;
 #ifdef __AVX512F__
-    // pages of 16 keys: AttendPage, a few queries at a time, reading f32 and bf16 pages in
-    // place (int8 and fp8 from the scratch they are dequantized into below)
-    constexpr bool kFast = kPageSize == 16 && kHeadDim > 0 && kHeadDim % 16 == 0;
+    // pages of 16 keys: a prefill tile's queries AttendLanes, 16 at a time, from the page
+    // in f32 (bf16, int8 and fp8 dequantized into scratch); fewer queries AttendPage, a
+    // few at a time, reading f32 and bf16 pages in place (int8 and fp8 from the scratch)
     if (kFast && b + 1 < num_blocks) {
       // the next page is elsewhere in the pool: fetch it while this one is computed
       int64_t next = p.page_table[it.row * p.max_pages + b + 1];
@@ -333,15 +466,36 @@ void RunItem(const Problem& p, const Item& it, Scratch& sc) {
         _mm_prefetch(nv + line, _MM_HINT_T0);
       }
     }
+    if constexpr (kFast) {
+      if (lanes) {
+        const int64_t keys = std::min(PS, last_pos - first_key + 1);
+        const float* kp = reinterpret_cast<const float*>(k_page);
+        const float* vp = reinterpret_cast<const float*>(v_page);
+        if constexpr (!std::is_same_v<Storage, F32>) {
+          const bool scaled = std::is_same_v<Storage, Int8>;  // else a dummy buffer
+          const int64_t scales = (layer_offset + page) * PS;
+          Storage::Load(k_page, scaled ? p.k_scale + scales : nullptr, keys, D, sc.k.data());
+          Storage::Load(v_page, scaled ? p.v_scale + scales : nullptr, keys, D, sc.v.data());
+          kp = sc.k.data();
+          vp = sc.v.data();
+        }
+        for (int64_t q0 = 0; q0 < slots; q0 += kLanes)
+          AttendLanes<kHeadDim>(kp, vp, keys, first_key, sc.qt.data() + q0 * D,
+                                sc.lane_pos.data() + q0, sc.m.data() + q0, sc.l.data() + q0,
+                                acc + q0 * D);
+        continue;
+      }
+    }
     int64_t* valid = sc.valid.data();
     if (kFast)
       for (int64_t qi = 0; qi < n; ++qi)
         valid[qi] = std::clamp<int64_t>(sc.pos[qi / group] - first_key + 1, 0, PS);
     auto fast = [&](const auto* kr, const auto* vr) {
       using Row = std::remove_cv_t<std::remove_pointer_t<decltype(kr)>>;
+      TransposePage<Row, kHeadDim ? kHeadDim : 16>(kr, kt);
       for (int64_t q0 = 0; q0 < n; q0 += kPageQueries)
         AttendPage<Row, kHeadDim ? kHeadDim : 16>(
-            kr, vr, std::min(kPageQueries, n - q0), q + q0 * D, valid + q0, sc.m.data() + q0,
+            kt, vr, std::min(kPageQueries, n - q0), q + q0 * D, valid + q0, sc.m.data() + q0,
             sc.l.data() + q0, acc + q0 * D);
     };
     if constexpr (kFast && (std::is_same_v<Storage, F32> || std::is_same_v<Storage, Bf16>)) {
@@ -453,6 +607,11 @@ void RunItem(const Problem& p, const Item& it, Scratch& sc) {
       const int64_t qi = i * group + g;
       float* dst = p.out + ((it.begin + i) * H + it.kv_head * group + g) * D;
       const float inv = sc.l[qi] > 0.0f ? 1.0f / sc.l[qi] : 0.0f;
+      if (lanes) {
+        const float* src = acc + qi / kLanes * D * kLanes + qi % kLanes;
+        for (int64_t d = 0; d < D; ++d) dst[d] = src[d * kLanes] * inv;
+        continue;
+      }
 #pragma omp simd
       for (int64_t d = 0; d < D; ++d) dst[d] = acc[qi * D + d] * inv;
     }
