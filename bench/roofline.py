@@ -1,7 +1,7 @@
 """Measured decode step time against the roofline, on this machine: the planner's calibration.
 
     .venv/bin/python bench/roofline.py [--model PATH] [--batches 1,2,4,8,16] [--context 512]
-        [--steps 20] [--out bench/results/roofline.json]
+        [--prefill 256] [--steps 20] [--out bench/results/roofline.json]
     .venv/bin/python bench/roofline.py --model DIR --batches 1,2 --steps 3 --context 32 \
         --bandwidth-mb 16 --matmul-n 256        # tiny, for tests
 
@@ -21,6 +21,11 @@
    `--context` on KV pages of its own (host packing and the one device→host copy
    included, as in serving), in the bucket the scheduler would pick; compiled and run twice
    first, then the median of `--steps` timed steps.
+4. The prefill of one `--prefill`-token prompt (one step, from position 0), against its
+   compute roofline: 2 × the parameters a token multiplies (every one but the embedding
+   table) per prompt token, the head once (only the last token is sampled), and causal
+   attention's 4 × layers × heads × head_dim × T(T+1)/2, at the matmul rate; and the
+   weights' read time, which it also needs.
 
 The JSON is what `jaxserve plan --calibrate` reads (jaxserve/planner.py's docstring):
 `measured_over_roofline.median` is the median over the batches of measured ÷ roofline.
@@ -122,11 +127,42 @@ def measure_decode(llm: LLM, batch: int, context: int, steps: int) -> dict:
     }
 
 
+def measure_prefill(llm: LLM, tokens: int, steps: int) -> dict:
+    """Median seconds of the step that prefills a whole `tokens`-token prompt in one row."""
+    scheduler, runner = llm.scheduler, llm.runner
+    plan = fabricated_step(
+        scheduler.allocators[0], scheduler.buckets.choose(tokens, 1), 1, tokens, tokens,
+        scheduler.page_size, llm.config.vocab_size,
+    )
+    try:
+        for _ in range(2):  # compile, then a warm step
+            runner.execute(plan)
+        times = []
+        for _ in range(steps):
+            start = time.perf_counter()
+            runner.execute(plan)
+            times.append(time.perf_counter() - start)
+    finally:
+        release(scheduler.allocators[0], plan)
+    return {"bucket": list(plan.bucket), "median_s": statistics.median(times)}
+
+
+def prefill_flops(shape: ModelShape, tokens: int) -> float:
+    """What a prefill of `tokens` tokens multiplies (see the module docstring, 4.)."""
+    head = shape.vocab_size * shape.hidden_size
+    table = 0 if shape.tie_word_embeddings else head  # looked up, not multiplied
+    per_token = 2 * (shape.num_params - head - table)
+    attention = 4 * shape.num_layers * shape.num_heads * shape.head_dim * tokens * (tokens + 1) / 2
+    return per_token * tokens + 2 * head + attention
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", help="default: SmolLM2-135M-Instruct")
     parser.add_argument("--batches", default="1,2,4,8,16", help="comma-separated batch sizes")
     parser.add_argument("--context", type=int, default=512, help="tokens each row attends over")
+    parser.add_argument("--prefill", type=int, default=256,
+                        help="tokens of the one-row prefill measured (0: none)")
     parser.add_argument("--steps", type=int, default=20, help="timed decode steps per batch")
     parser.add_argument("--page-size", type=int, default=16)
     parser.add_argument("--dtype", default="float32", help="weights and KV, as served")
@@ -136,14 +172,14 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=RESULTS / "roofline.json")
     args = parser.parse_args()
     batches = sorted({int(b) for b in args.batches.split(",")})
-    if batches[0] < 1 or args.steps < 1:
-        parser.error("batches and --steps must be >= 1")
+    if batches[0] < 1 or args.steps < 1 or args.prefill < 0:
+        parser.error("batches and --steps must be >= 1, --prefill >= 0")
 
-    pages_per_row = -(-args.context // args.page_size)
+    pages_per_row = -(-max(args.context, args.prefill) // args.page_size)
     llm = LLM(
         args.model,
         max_batch=batches[-1],
-        token_budget=batches[-1],
+        token_budget=max(batches[-1], args.prefill),
         page_size=args.page_size,
         num_pages=1 + batches[-1] * pages_per_row,
         max_model_len=pages_per_row * args.page_size,
@@ -179,6 +215,18 @@ def main() -> None:
             }
         )
     median = statistics.median(p["ratio"] for p in points)
+    prefill = None
+    if args.prefill:
+        measured = measure_prefill(llm, args.prefill, args.steps)
+        compute_s = prefill_flops(shape, args.prefill) / roof.peak_flops
+        prefill = {
+            "tokens": args.prefill,
+            "bucket": measured["bucket"],
+            "measured_ms": measured["median_s"] * 1e3,
+            "compute_ms": compute_s * 1e3,
+            "memory_ms": roof.memory_s(0) * 1e3,
+            "ratio": measured["median_s"] / compute_s,
+        }
 
     print(
         f"{shape.name}: {shape.num_params / 1e6:.1f} M params, {args.dtype}, weights "
@@ -200,10 +248,17 @@ def main() -> None:
         rows,
     ))
     print(f"\nmedian measured ÷ roofline = {median:.2f}")
+    if prefill is not None:
+        print(f"\nprefill of {prefill['tokens']} tokens (bucket "
+              f"{'x'.join(map(str, prefill['bucket']))}): {prefill['measured_ms']:.1f} ms, compute "
+              f"roofline {prefill['compute_ms']:.1f} ms (weights read in "
+              f"{prefill['memory_ms']:.1f} ms): measured ÷ compute roofline = "
+              f"{prefill['ratio']:.2f}")
     write_json(
         args.out,
         {
             "measured_over_roofline": {"median": median, "points": points},
+            "prefill": prefill,
             "model": dataclasses.asdict(shape),
             "num_params": shape.num_params,
             "dtype": args.dtype,

@@ -18,7 +18,8 @@ def test_tiny_roofline_calibrates_the_planner(tmp_path, smollm2_gguf):
     out = tmp_path / "roofline.json"
     run = subprocess.run(
         [sys.executable, "bench/roofline.py", "--model", str(model), "--batches", "1,2",
-         "--steps", "3", "--context", "32", "--page-size", "8", "--bandwidth-mb", "16",
+         "--steps", "3", "--context", "32", "--prefill", "24", "--page-size", "8",
+         "--bandwidth-mb", "16",
          "--matmul-n", "256", "--repeats", "2", "--out", str(out)],
         cwd=ROOT, capture_output=True, text=True, timeout=300,
     )
@@ -34,6 +35,10 @@ def test_tiny_roofline_calibrates_the_planner(tmp_path, smollm2_gguf):
         assert p["roofline_ms"] == max(p["memory_ms"], p["compute_ms"])
     assert calibration["median"] == (points[0]["ratio"] + points[1]["ratio"]) / 2
     assert data["machine"]["bandwidth_gbps"] > 0 and data["machine"]["matmul_tflops"] > 0
+    prefill = data["prefill"]
+    assert prefill["tokens"] == 24 and prefill["bucket"][0] >= 24 and prefill["measured_ms"] > 0
+    assert abs(prefill["ratio"] - prefill["measured_ms"] / prefill["compute_ms"]) < 1e-9
+    assert "prefill of 24 tokens" in run.stdout
     m = data["model"]  # the KV bytes are the engine's, in the dtype it serves
     assert data["kv_bytes_per_token"] == kv_bytes_per_token(
         m["num_layers"], m["num_kv_heads"], m["head_dim"], data["kv_dtype"])
