@@ -226,8 +226,9 @@ def _engine_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--tpot-slo-ms", type=float, help="cap the batch so steps stay under 60%%")
     group.add_argument(
         "--buckets", type=_bucket_table, metavar="TOKENS:ROWS",
-        help="step shapes to compile, e.g. 1,8,64:1,8,64 (default: powers of two up to "
-        "--token-budget and --max-batch); fewer buckets start faster, at more padding",
+        help="step shapes to compile, e.g. 1,8,64:1,8,64 (default: rows in powers of two up "
+        "to --max-batch; tokens in powers of two up to half of --token-budget, then in "
+        "eighths of it); fewer buckets start faster, at more padding",
     )
     group.add_argument(  # the server keeps a cache by default; the library writes no files
         "--compilation-cache-dir", default=".cache/jax",

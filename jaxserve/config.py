@@ -173,8 +173,8 @@ class EngineConfig:
     # None: max(1, max_batch // 8)
     reserved_rows: int | None = None
     debug_checks: bool = False  # verify page ownership every step (tests turn it on)
-    # the compiled step shapes as (token sizes, row sizes); None: powers of two up to
-    # token_budget and max_batch. Fewer buckets start faster and pad more.
+    # the compiled step shapes as (token sizes, row sizes); None: BucketTable.for_limits
+    # (max_batch, token_budget). Fewer buckets start faster and pad more.
     buckets: tuple[tuple[int, ...], tuple[int, ...]] | None = None
     tp: int = 1  # tensor parallelism: devices on the mesh's "model" axis
     dp: int = 1  # data parallelism: shards of the batch on the mesh's "data" axis

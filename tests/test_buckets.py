@@ -1,4 +1,4 @@
-"""The bucket table: the default powers of two, a table given by `--buckets`, and its checks."""
+"""The bucket table: the default sizes, a table given by `--buckets`, and its checks."""
 
 import subprocess
 import sys
@@ -6,7 +6,7 @@ import sys
 import pytest
 
 from jaxserve.config import EngineConfig
-from jaxserve.host.buckets import BucketTable
+from jaxserve.host.buckets import BucketTable, token_sizes
 
 
 def test_parse_and_choose():
@@ -43,3 +43,14 @@ def test_serve_refuses_a_table_that_cannot_hold_a_step():
     )
     assert done.returncode == 2
     assert "must hold a full step: token_budget 256, max_batch 16" in done.stderr
+
+
+def test_default_token_sizes_double_then_step_through_the_top_octave():
+    assert token_sizes(1, 256) == (1, 2, 4, 8, 16, 32, 64, 128, 160, 192, 224, 256)
+    assert token_sizes(1, 512)[-5:] == (256, 320, 384, 448, 512)
+    assert token_sizes(1, 16) == (1, 2, 4, 8, 16)
+    assert token_sizes(1, 100) == (1, 2, 4, 8, 16, 32, 64, 96, 100)
+    assert token_sizes(256, 256) == (256,)
+    table = BucketTable.for_limits(16, 256)  # a prompt just past 128 pads to 160, not 256
+    assert table.choose(150, 1) == (160, 1) and table.choose(16, 16) == (16, 16)
+    assert table.max_tokens == 256 and table.max_rows == 16

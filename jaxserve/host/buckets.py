@@ -18,6 +18,19 @@ def powers_of_two(low: int, high: int) -> tuple[int, ...]:
         n *= 2
 
 
+def token_sizes(low: int, budget: int) -> tuple[int, ...]:
+    """Powers of two from `low` up to half the budget, then steps of max(32, budget / 8)
+    up to the budget.
+
+    A step's cost on a CPU grows with its padded tokens, and a power of two pads a prompt
+    just past one by up to half of the next: a 150-token prompt paid for 256. The top
+    octave, where most prefill chunks fall, gets finer steps instead (160, 192, 224 for
+    256), which pad by at most 32 tokens, at three more sizes to compile."""
+    sizes = [n for n in powers_of_two(low, budget) if 2 * n <= budget]
+    step = max(32, budget // 8)
+    return (*sizes, *range(sizes[-1] + step if sizes else low, budget, step), budget)
+
+
 @dataclass(frozen=True, slots=True)
 class BucketTable:
     """Token-count and row-count sizes; every (tokens ≥ rows) pair is a bucket."""
@@ -27,8 +40,9 @@ class BucketTable:
 
     @staticmethod
     def for_limits(max_batch: int, token_budget: int, min_tokens: int = 1) -> "BucketTable":
-        """Powers of two covering up to `max_batch` rows and `token_budget` tokens a step."""
-        return BucketTable(powers_of_two(min_tokens, token_budget), powers_of_two(1, max_batch))
+        """Powers of two covering up to `max_batch` rows, and `token_sizes` up to
+        `token_budget` tokens a step."""
+        return BucketTable(token_sizes(min_tokens, token_budget), powers_of_two(1, max_batch))
 
     @staticmethod
     def parse(spec: str) -> "BucketTable":
