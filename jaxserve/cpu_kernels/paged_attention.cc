@@ -486,28 +486,8 @@ void RunItem(const Problem& p, const Item& it, Scratch& sc) {
         _mm_prefetch(nv + line, _MM_HINT_T0);
       }
     }
-    if constexpr (kFast) {
-      if (lanes) {
-        const int64_t keys = std::min(PS, last_pos - first_key + 1);
-        const float* kp = reinterpret_cast<const float*>(k_page);
-        const float* vp = reinterpret_cast<const float*>(v_page);
-        if constexpr (!std::is_same_v<Storage, F32>) {
-          const bool scaled = std::is_same_v<Storage, Int8>;  // else a dummy buffer
-          const int64_t scales = (layer_offset + page) * PS;
-          Storage::Load(k_page, scaled ? p.k_scale + scales : nullptr, keys, D, sc.k.data());
-          Storage::Load(v_page, scaled ? p.v_scale + scales : nullptr, keys, D, sc.v.data());
-          kp = sc.k.data();
-          vp = sc.v.data();
-        }
-        for (int64_t q0 = 0; q0 < slots; q0 += kLanes)
-          AttendLanes<kHeadDim>(kp, vp, keys, first_key, sc.qt.data() + q0 * D,
-                                sc.lane_pos.data() + q0, sc.m.data() + q0, sc.l.data() + q0,
-                                acc + q0 * D);
-        continue;
-      }
-    }
     int64_t* valid = sc.valid.data();
-    if (kFast)
+    if (kFast && !lanes)
       for (int64_t qi = 0; qi < n; ++qi)
         valid[qi] = std::clamp<int64_t>(sc.pos[qi / group] - first_key + 1, 0, PS);
     auto fast = [&](const auto* kr, const auto* vr) {
@@ -519,15 +499,16 @@ void RunItem(const Problem& p, const Item& it, Scratch& sc) {
             sc.l.data() + q0, acc + q0 * D);
     };
     if constexpr (kFast && (std::is_same_v<Storage, F32> || std::is_same_v<Storage, Bf16>)) {
-      fast(k_page, v_page);
-      continue;
+      if (!lanes) {
+        fast(k_page, v_page);
+        continue;
+      }
     }
 #endif
+    // only the keys that some query sees: the rest of the scratch keeps an earlier page's
+    // (or zeros), which the loops below mask out as they do an f32 page's stale slots
+    const int64_t keys = std::min(PS, last_pos - first_key + 1);
     if constexpr (!std::is_same_v<Storage, F32>) {
-      // only the keys that some query sees: the rest of the scratch keeps an earlier
-      // page's (or zeros), which the loops below mask out as they do an f32 page's stale
-      // slots
-      const int64_t keys = std::min(PS, last_pos - first_key + 1);
       const bool scaled = std::is_same_v<Storage, Int8>;  // else a dummy buffer
       const int64_t scales = (layer_offset + page) * PS;
       Storage::Load(k_page, scaled ? p.k_scale + scales : nullptr, keys, D, sc.k.data());
@@ -544,7 +525,13 @@ void RunItem(const Problem& p, const Item& it, Scratch& sc) {
     }
 #ifdef __AVX512F__
     if constexpr (kFast) {
-      fast(kp, vp);
+      if (lanes)
+        for (int64_t q0 = 0; q0 < slots; q0 += kLanes)
+          AttendLanes<kHeadDim>(kp, vp, keys, first_key, sc.qt.data() + q0 * D,
+                                sc.lane_pos.data() + q0, sc.m.data() + q0, sc.l.data() + q0,
+                                acc + q0 * D);
+      else
+        fast(kp, vp);
       continue;
     }
 #endif
