@@ -46,6 +46,7 @@ from steps import fabricated_step, release
 
 from jaxserve import LLM
 from jaxserve.cpu_kernels.linear import pack, packed_linear
+from jaxserve.host.plan import StepPlan
 from jaxserve.planner import ModelShape, Roofline
 
 
@@ -101,25 +102,30 @@ def model_shape(llm: LLM) -> ModelShape:
     )
 
 
+def step_seconds(llm: LLM, plan: StepPlan, untimed: int, steps: int) -> list[float]:
+    """Seconds of each of `steps` runs of `plan` after `untimed` ones; its pages released."""
+    try:
+        for _ in range(untimed):
+            llm.runner.execute(plan)
+        times = []
+        for _ in range(steps):
+            start = time.perf_counter()
+            llm.runner.execute(plan)
+            times.append(time.perf_counter() - start)
+    finally:
+        release(llm.scheduler.allocators[0], plan)
+    return times
+
+
 def measure_decode(llm: LLM, batch: int, context: int, steps: int) -> dict:
     """Median and p95 seconds of one decode step of `batch` rows at position `context`."""
-    scheduler, runner = llm.scheduler, llm.runner
+    scheduler = llm.scheduler
     bucket = scheduler.buckets.choose(batch, batch)
     out = fabricated_step(
         scheduler.allocators[0], bucket, batch, 1, context, scheduler.page_size,
         llm.config.vocab_size,
     )
-    try:
-        for _ in range(3):  # compile, then two warm steps
-            runner.execute(out)
-        times = []
-        for _ in range(steps):
-            start = time.perf_counter()
-            runner.execute(out)
-            times.append(time.perf_counter() - start)
-    finally:
-        release(scheduler.allocators[0], out)
-    times.sort()
+    times = sorted(step_seconds(llm, out, 3, steps))  # compile, then two warm steps
     return {
         "bucket": list(bucket),
         "median_s": statistics.median(times),
@@ -129,21 +135,12 @@ def measure_decode(llm: LLM, batch: int, context: int, steps: int) -> dict:
 
 def measure_prefill(llm: LLM, tokens: int, steps: int) -> dict:
     """Median seconds of the step that prefills a whole `tokens`-token prompt in one row."""
-    scheduler, runner = llm.scheduler, llm.runner
+    scheduler = llm.scheduler
     plan = fabricated_step(
         scheduler.allocators[0], scheduler.buckets.choose(tokens, 1), 1, tokens, tokens,
         scheduler.page_size, llm.config.vocab_size,
     )
-    try:
-        for _ in range(2):  # compile, then a warm step
-            runner.execute(plan)
-        times = []
-        for _ in range(steps):
-            start = time.perf_counter()
-            runner.execute(plan)
-            times.append(time.perf_counter() - start)
-    finally:
-        release(scheduler.allocators[0], plan)
+    times = step_seconds(llm, plan, 2, steps)  # compile, then a warm step
     return {"bucket": list(plan.bucket), "median_s": statistics.median(times)}
 
 
