@@ -15,7 +15,7 @@ from flax import nnx
 from jaxserve.checkpoint.adapter import Adapter
 from jaxserve.checkpoint.default_model import default_model_path
 from jaxserve.checkpoint.loader import load
-from jaxserve.checkpoint.weights import pack_projections
+from jaxserve.checkpoint.weights import open_checkpoint, pack_projections
 from jaxserve.config import EngineConfig, SamplingParams, serving_dtype
 from jaxserve.cpu_kernels import linear
 from jaxserve.device.kv_cache import calibration_text, storage_name
@@ -28,6 +28,7 @@ from jaxserve.host.page_allocator import PageAllocator
 from jaxserve.host.request import check_prompt_ids
 from jaxserve.host.scheduler import Scheduler
 from jaxserve.models import get_model_spec
+from jaxserve.models.layers import PackedWeight, is_packed
 from jaxserve.planner import kv_bytes_per_token
 
 
@@ -98,8 +99,15 @@ class LLM:
         else:
             self.linear_activations = "f32" if cfg.linear_activations == "f32" else "bf16"
             passes = 1 if self.linear_activations == "bf16" else 2
-            module = pack_projections(module, self.linear_backend, passes)  # f32 -> bf16
-            stored = "bfloat16"
+            # f32 -> bf16; under auto, a GGUF file's Q4_1 projections stay Q4_1 where the
+            # kernel multiplies them (the same results, a third of bf16's bytes)
+            source = None
+            if cfg.weight_dtype == "auto" and self.model_path.suffix == ".gguf":
+                source = open_checkpoint(self.model_path)
+            module = pack_projections(module, self.linear_backend, passes, source)
+            stored = "q4_1" if any(
+                isinstance(w, PackedWeight) and w.values.dtype == jnp.uint8
+                for w in jax.tree.leaves(nnx.state(module), is_leaf=is_packed)) else "bfloat16"
         self.weight_dtype = stored
         # auto: pages in the serving dtype (f16 only there: --dtype float16), or in bf16
         # where every projection already rounds its input to bf16 (a kernel, one pass): a

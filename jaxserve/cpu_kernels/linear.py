@@ -8,6 +8,11 @@ at load, into the tiles that AMX multiplies (`pack`; a tile's row is also the op
 AVX512-BF16's `vdpbf16ps`), and `packed_linear` multiplies f32 activations by it: rounded
 to bf16 (`passes` 1; reference `bf16(x) @ unpack(w)`), or to f32 precision of x (2: x is
 split into two bf16 parts; reference `x @ unpack(w)`; see linear.cc).
+
+A GGUF file's Q4_1 projections can stay Q4_1 (`pack_q4_1`: 0.31x the bytes of bf16) on
+AVX512-BF16: the kernel widens each tile to bf16 as it multiplies it, exactly as `pack`
+rounds the dequantized weight, so the results are the bf16 packing's bit for bit, and a
+decode step, which streams every weight once, reads a third of the bytes.
 """
 
 import ctypes
@@ -24,6 +29,10 @@ from jaxserve.cpu_kernels.build import KernelUnavailable, build, cpu_flags
 log = logging.getLogger(__name__)
 
 ROWS, DEPTH = 16, 32  # a packed tile: 16 input pairs × 16 columns × 2 (linear.cc)
+Q4_1_TILE = (20, 16)  # a Q4_1 tile's bytes: 16 columns' d and m (f16), 16 rows of pairs
+# the Q4_1 kernel: its FFI target and linear.cc's symbol; it runs where avx512_bf16 does
+Q4_1_KERNEL = ("jaxserve_avx512_bf16_q4_1_linear", "JaxserveAvx512Bf16Q41Linear")
+Q4_1_BACKEND = "avx512_bf16"
 # backend: (its FFI target, linear.cc's handler symbol, the CPU flags it runs on), in the
 # order `auto` prefers them
 KERNELS = {
@@ -64,6 +73,10 @@ def available(backend: str) -> bool:
         return False
     jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(library, symbol)),
                                 platform="cpu")
+    if backend == Q4_1_BACKEND:
+        jax.ffi.register_ffi_target(Q4_1_KERNEL[0],
+                                    jax.ffi.pycapsule(getattr(library, Q4_1_KERNEL[1])),
+                                    platform="cpu")
     return True
 
 
@@ -122,16 +135,58 @@ def unpack(packed: np.ndarray, in_features: int) -> np.ndarray:
     return bits[..., :in_features, :].view(ml_dtypes.bfloat16).astype(np.float32)
 
 
+def pack_q4_1(blocks: np.ndarray) -> np.ndarray:
+    """A weight's GGUF Q4_1 blocks, uint8 [..., out, in/32, 20] (per output row and block
+    of 32 inputs: d and m as f16, then 16 bytes of quants, input i < 16 in byte i's low
+    nibble and input i + 16 in its high one), as the kernel reads them: uint8 [..., out/16,
+    in/32, 20, 16], each tile the 16 columns' d, their m, then a row of 16 bytes per input
+    pair, the pair's first input in a byte's low nibble (linear.cc)."""
+    *lead, n, k_blocks, size = blocks.shape
+    if size != 20 or blocks.dtype != np.uint8 or n % 16:
+        raise ValueError("not Q4_1 blocks of whole column tiles: "
+                         f"{blocks.dtype}{list(blocks.shape)}")
+    quants = blocks[..., 4:]
+    q = np.concatenate([quants & 0xF, quants >> 4], axis=-1)  # [..., n, kb, 32] by input
+    pairs = q[..., 0::2] | (q[..., 1::2] << 4)  # [..., n, kb, 16]
+
+    def by_tile(a: np.ndarray) -> np.ndarray:  # [..., n, kb, w] -> [..., n/16, kb, 16, w]
+        return np.moveaxis(a.reshape(*lead, n // 16, 16, k_blocks, a.shape[-1]), -3, -2)
+
+    parts = [by_tile(blocks[..., 0:2]), by_tile(blocks[..., 2:4]),
+             np.swapaxes(by_tile(pairs), -1, -2)]  # the quants' rows are input pairs
+    tiles = np.concatenate([p.reshape(*lead, n // 16, k_blocks, -1) for p in parts], axis=-1)
+    return np.ascontiguousarray(tiles).reshape(*lead, n // 16, k_blocks, *Q4_1_TILE)
+
+
+def unpack_q4_1(packed: np.ndarray) -> np.ndarray:
+    """`pack_q4_1`'s weight, dequantized as gguf does ((d * q) + m in f32): f32 [..., in,
+    out]."""
+    *lead, n_blocks, k_blocks, _, _ = packed.shape
+    tiles = np.asarray(packed).reshape(*lead, n_blocks, k_blocks, 320)
+    d = tiles[..., 0:32].copy().view(np.float16).astype(np.float32)  # [..., nb, kb, 16]
+    m = tiles[..., 32:64].copy().view(np.float16).astype(np.float32)
+    pairs = tiles[..., 64:].reshape(*lead, n_blocks, k_blocks, ROWS, 16)  # pair, column
+    q = np.stack([pairs & 0xF, pairs >> 4], axis=-2).reshape(*lead, n_blocks, k_blocks,
+                                                              DEPTH, 16).astype(np.float32)
+    w = d[..., None, :] * q + m[..., None, :]  # [..., nb, kb, input, column]
+    w = np.moveaxis(w, -4, -2)  # [..., kb, input, nb, column]
+    return np.ascontiguousarray(w).reshape(*lead, k_blocks * DEPTH, n_blocks * 16)
+
+
 def packed_linear(x: jax.Array, packed: jax.Array, layer: jax.Array | int | None = None,
                   backend: str = "amx", passes: int = 2) -> jax.Array:
-    """x [..., in] (f32) @ the packed weight (one [n/16, k/32, 16, 32], or a stack of them
-    with the `layer` to use) → f32 [..., out], on `backend`'s kernel (a key of KERNELS),
-    with x rounded to bf16 (`passes` 1) or not (2)."""
+    """x [..., in] (f32) @ the packed weight (one [n/16, k/32, 16, 32], or Q4_1's [n/16,
+    k/32, 20, 16], or a stack of them with the `layer` to use) → f32 [..., out], on
+    `backend`'s kernel (a key of KERNELS), with x rounded to bf16 (`passes` 1) or not (2)."""
     if x.dtype != jnp.float32:
         raise ValueError(f"the {backend} kernel takes f32 activations, got {x.dtype}")
-    if packed.dtype != jnp.uint16 or packed.ndim not in (4, 5) or packed.shape[-2:] != (
-            ROWS, DEPTH):
+    q4_1 = packed.dtype == jnp.uint8  # pack_q4_1's tiles, else pack's
+    tile = Q4_1_TILE if q4_1 else (ROWS, DEPTH)
+    if packed.dtype not in (jnp.uint16, jnp.uint8) or packed.ndim not in (4, 5) or (
+            packed.shape[-2:] != tile):
         raise ValueError(f"not a packed weight: {packed.dtype}{list(packed.shape)}")
+    if q4_1 and backend != Q4_1_BACKEND:
+        raise ValueError(f"Q4_1 weights multiply on {Q4_1_BACKEND}, not {backend}")
     if packed.ndim == 4:
         packed, layer = packed[None], 0
     elif layer is None:
@@ -145,7 +200,7 @@ def packed_linear(x: jax.Array, packed: jax.Array, layer: jax.Array | int | None
         raise RuntimeError(f"the {backend} bf16 kernel is unavailable here (see the log)")
     n = packed.shape[1] * 16
     flat = x.reshape(-1, k)
-    call = jax.ffi.ffi_call(KERNELS[backend][0],
+    call = jax.ffi.ffi_call(Q4_1_KERNEL[0] if q4_1 else KERNELS[backend][0],
                             jax.ShapeDtypeStruct((flat.shape[0], n), jnp.float32))
     y = call(flat, packed, jnp.asarray(layer, jnp.int32), passes=np.int32(passes))
     return y.reshape(*x.shape[:-1], n)
