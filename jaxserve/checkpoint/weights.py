@@ -303,16 +303,21 @@ def _q4_1_blocks(checkpoint: Checkpoint, rule: WeightRule, num_layers: int,
                  shape: tuple[int, ...]) -> np.ndarray | None:
     """A projection's Q4_1 blocks as `_assemble` lays out its values (layers stacked):
     uint8 [..., out, in/32, 20]; None unless every tensor of it is Q4_1, of `shape`."""
-    stacked = "{layer}" in rule.source
-    names = [rule.source.format(layer=i) for i in range(num_layers)] if stacked else [rule.source]
+    names, stacked = _source_tensors(rule, num_layers)
     if not rule.transpose or not all(n in checkpoint.q4_1_blocks for n in names):
         return None
     arrays = [checkpoint.q4_1_blocks[n]() for n in names]
     blocks = np.stack(arrays) if stacked else arrays[0]
     *lead, k, n = shape
-    if blocks.shape != (*lead, n, k // 32, 20) or k % 32:
-        return None
-    return blocks
+    return blocks if blocks.shape == (*lead, n, k // 32, 20) else None
+
+
+def _source_tensors(rule: WeightRule, num_layers: int) -> tuple[list[str], bool]:
+    """The checkpoint tensors a parameter comes from, and whether they are one a layer
+    (stacked over layers on a new leading axis)."""
+    stacked = "{layer}" in rule.source
+    return ([rule.source.format(layer=i) for i in range(num_layers)] if stacked
+            else [rule.source]), stacked
 
 
 def place_param(value: np.ndarray | QuantizedWeight, mesh: Mesh | None,
@@ -334,8 +339,7 @@ def _assemble(
     checkpoint: Checkpoint, rule: WeightRule, num_layers: int, shape: tuple, param: str
 ) -> np.ndarray:
     """One parameter: a tensor, or per-layer tensors stacked, transposed as the rule says."""
-    stacked = "{layer}" in rule.source
-    names = [rule.source.format(layer=i) for i in range(num_layers)] if stacked else [rule.source]
+    names, stacked = _source_tensors(rule, num_layers)
     want = tuple(shape[1:]) if stacked else tuple(shape)
     if rule.transpose:
         want = want[::-1]  # as stored in the checkpoint

@@ -162,7 +162,7 @@ def unpack_q4_1(packed: np.ndarray) -> np.ndarray:
     """`pack_q4_1`'s weight, dequantized as gguf does ((d * q) + m in f32): f32 [..., in,
     out]."""
     *lead, n_blocks, k_blocks, _, _ = packed.shape
-    tiles = np.asarray(packed).reshape(*lead, n_blocks, k_blocks, 320)
+    tiles = np.asarray(packed).reshape(*lead, n_blocks, k_blocks, -1)
     d = tiles[..., 0:32].copy().view(np.float16).astype(np.float32)  # [..., nb, kb, 16]
     m = tiles[..., 32:64].copy().view(np.float16).astype(np.float32)
     pairs = tiles[..., 64:].reshape(*lead, n_blocks, k_blocks, ROWS, 16)  # pair, column
