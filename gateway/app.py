@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import aiohttp
+import uvloop
 from aiohttp import web
 
 from gateway import batch_api
@@ -157,4 +158,4 @@ async def serve(config: GatewayConfig, spawn: bool = False) -> int:
 
 def run(config: GatewayConfig, spawn: bool = False) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
-    raise SystemExit(asyncio.run(serve(config, spawn)))
+    raise SystemExit(uvloop.run(serve(config, spawn)))
