@@ -57,7 +57,8 @@ GGUF = ROOT / "checkpoints" / "SmolLM2-135M-Instruct.Q4_1.gguf"
 TEXT = Path(sysconfig.get_paths()["stdlib"]) / "LICENSE.txt"  # fixed, natural English
 NEW_TOKENS = 32
 # |ΔLL| ÷ |LL| each condition must meet
-BOUNDS = {"auto": 0.01, "f32": 0.0, "bf16": 0.01, "bf16-xla": 0.01, "int8": 0.01, "fp8": 0.02,
+BOUNDS = {"auto": 0.01, "auto-int8": 0.01, "f32": 0.0, "bf16": 0.01, "bf16-xla": 0.01,
+          "int8": 0.01, "fp8": 0.02,
           "kv-bf16": 0.01, "kv-int8": 0.01, "kv-fp8": 0.01}
 MAX_MODEL_LEN = 4096
 
@@ -93,26 +94,30 @@ def agreement(a: list[str], b: list[str]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
-def conditions(weight_dtypes: list[str], kv_dtypes: list[str], kernel: bool
-               ) -> dict[str, tuple[str, str, str]]:
-    """Each condition's name and its (weight dtype, KV dtype, linear backend); `kernel`:
-    a bf16 CPU kernel (AMX, AVX512-BF16) serves bf16 here, so XLA's bf16 runs beside it."""
-    out = {"f32": ("f32", "auto", "auto")}
+def conditions(weight_dtypes: list[str], kv_dtypes: list[str], kernel: bool, int8: bool
+               ) -> dict[str, tuple[str, str, str, str]]:
+    """Each condition's name and its (weight dtype, KV dtype, linear backend, linear
+    activations); `kernel`: a bf16 CPU kernel (AMX, AVX512-BF16) serves bf16 here, so XLA's
+    bf16 runs beside it; `int8`: Q4_1 weights can take int8 activations here, so auto runs
+    with them too ("auto-int8")."""
+    out = {"f32": ("f32", "auto", "auto", "auto")}
     for w in weight_dtypes:
-        out[w] = (w, "auto", "auto")
+        out[w] = (w, "auto", "auto", "auto")
         if w == "bf16" and kernel:
-            out["bf16-xla"] = (w, "auto", "xla")
-    out.update({f"kv-{k}": ("f32", k, "auto") for k in kv_dtypes})
+            out["bf16-xla"] = (w, "auto", "xla", "auto")
+        if w == "auto" and int8:
+            out["auto-int8"] = (w, "auto", "auto", "int8")
+    out.update({f"kv-{k}": ("f32", k, "auto", "auto") for k in kv_dtypes})
     return out
 
 
 def serve_and_measure(model: Path, name: str, weight_dtype: str, kv_dtype: str,
-                      linear_backend: str, text: str) -> dict:
+                      linear_backend: str, activations: str, text: str) -> dict:
     """Start a server storing its weights and KV as told; score, generate, load it."""
     port = free_port()
     cmd = [sys.executable, "-m", "jaxserve.cli", "serve", "--model", str(model),
            "--port", str(port), "--weight-dtype", weight_dtype, "--kv-dtype", kv_dtype,
-           "--linear-backend", linear_backend,
+           "--linear-backend", linear_backend, "--linear-activations", activations,
            "--max-model-len", str(MAX_MODEL_LEN),
            "--compilation-cache-dir", str(ROOT / ".cache" / "jax")]
     url = f"http://127.0.0.1:{port}"
@@ -143,7 +148,8 @@ def memory(llm) -> dict:
     return {
         "weight_bytes": llm.weight_bytes,
         "planner_weight_bytes": planner.stored_weight_bytes(
-            planner.shape_of(c, "served"), storage_name(llm.weight_dtype),
+            planner.shape_of(c, "served"),
+            llm.weight_dtype if llm.weight_dtype == "q4_1" else storage_name(llm.weight_dtype),
             storage_name(llm.dtype), packed=llm.linear_backend != "xla"),
         "kv_bytes_per_token": llm.kv_bytes_per_token,
         "planner_kv_bytes_per_token": planner.kv_bytes_per_token(
@@ -151,7 +157,7 @@ def memory(llm) -> dict:
     }
 
 
-def step_times(model: Path, conds: dict[str, tuple[str, str, str]], steps: int) -> dict:
+def step_times(model: Path, conds: dict[str, tuple[str, str, str, str]], steps: int) -> dict:
     """Decode step time at batch 1 and 16 per condition, interleaved, in process; the
     weights' bytes on the device, and the KV bytes per token (the engine's and the
     planner's)."""
@@ -159,15 +165,16 @@ def step_times(model: Path, conds: dict[str, tuple[str, str, str]], steps: int) 
     from jaxserve.host.page_allocator import PageAllocator
 
     out: dict = {}
-    llms = {name: LLM(model, weight_dtype=w, kv_dtype=k, linear_backend=b, max_batch=16,
-                      token_budget=16, num_pages=512, max_model_len=1024,
-                      buckets=((1, 16), (1, 16)))
-            for name, (w, k, b) in conds.items()}
+    llms = {name: LLM(model, weight_dtype=w, kv_dtype=k, linear_backend=b,
+                      linear_activations=a, max_batch=16, token_budget=16, num_pages=512,
+                      max_model_len=1024, buckets=((1, 16), (1, 16)))
+            for name, (w, k, b, a) in conds.items()}
     plans = {}
     for name, llm in llms.items():
         out[name] = {"weight_dtype": conds[name][0], "kv_dtype": llm.kv_dtype,
                      "weight_storage": llm.weight_dtype, "attention_backend": llm.runner.backend,
                      "linear_backend": llm.linear_backend,
+                     "linear_activations": llm.linear_activations,
                      **memory(llm)}
         allocator = PageAllocator(512)
         plans[name] = {b: fabricated_step(allocator, (b, b), b, 1, 256, llm.runner.page_size,
@@ -248,13 +255,13 @@ def main() -> None:
     weight_dtypes, kv_dtypes = ([x.strip() for x in arg.split(",") if x.strip() not in ("", "f32")]
                                 for arg in (args.weight_dtypes, args.kv_dtypes))
     kernel = linear.select("auto", "bfloat16", "float32", True) != "xla"
-    conds = conditions(weight_dtypes, kv_dtypes, kernel)
+    conds = conditions(weight_dtypes, kv_dtypes, kernel, linear.int8_available())
     text = TEXT.read_text()
     results = step_times(args.model, conds, args.steps)
-    for name, (w, k, b) in conds.items():
-        print(f"serving --weight-dtype {w} --kv-dtype {k} --linear-backend {b} ...",
-              file=sys.stderr, flush=True)
-        results[name].update(serve_and_measure(args.model, name, w, k, b, text))
+    for name, (w, k, b, a) in conds.items():
+        print(f"serving --weight-dtype {w} --kv-dtype {k} --linear-backend {b} "
+              f"--linear-activations {a} ...", file=sys.stderr, flush=True)
+        results[name].update(serve_and_measure(args.model, name, w, k, b, a, text))
     reference = next(iter(conds))
     base = results[reference]["log_likelihood"]
     for name, r in results.items():

@@ -61,7 +61,7 @@ ATTENTION_BACKENDS = ("pallas", "pallas-interpret", "cpu", "xla", "reference")  
 LINEAR_BACKENDS = ("auto", "amx", "avx512_bf16", "xla")
 # what such a kernel multiplies bf16 weights by: activations rounded to bf16 (one pass) or
 # kept in f32 (two); auto: bf16 (README: the same accuracy, 1.6x faster prefill)
-LINEAR_ACTIVATIONS = ("auto", "bf16", "f32")
+LINEAR_ACTIVATIONS = ("auto", "bf16", "f32", "int8")
 
 
 @dataclass(frozen=True, slots=True)

@@ -90,24 +90,37 @@ class LLM:
                                             "bfloat16" if to_bf16 else stored, self.dtype,
                                             self.mesh is None)
         # what the projections multiply the weights by: XLA, x as it is; a kernel, x
-        # rounded to bf16 (one pass, auto) or kept in f32 (two)
+        # rounded to bf16 (one pass, auto) or kept in f32 (two), or Q4_1 weights' x
+        # quantized to int8 per block of 32 (linear.cc)
         if self.linear_backend == "xla":
-            if cfg.linear_activations == "bf16":
-                raise ValueError("--linear-activations bf16 needs a bf16 CPU kernel (--linear-"
-                                 "backend amx or avx512_bf16); XLA keeps them as they are")
+            if cfg.linear_activations in ("bf16", "int8"):
+                raise ValueError(f"--linear-activations {cfg.linear_activations} needs a bf16 "
+                                 "CPU kernel (--linear-backend amx or avx512_bf16); XLA keeps "
+                                 "them as they are")
             self.linear_activations = self.dtype.name
         else:
-            self.linear_activations = "f32" if cfg.linear_activations == "f32" else "bf16"
-            passes = 1 if self.linear_activations == "bf16" else 2
+            self.linear_activations = cfg.linear_activations
+            if self.linear_activations == "auto":
+                self.linear_activations = "bf16"
+            passes = {"bf16": 1, "f32": 2, "int8": 0}[self.linear_activations]
             # f32 -> bf16; under auto, a GGUF file's Q4_1 projections stay Q4_1 where the
             # kernel multiplies them (the same results, a third of bf16's bytes)
             source = None
             if cfg.weight_dtype == "auto" and self.model_path.suffix == ".gguf":
                 source = open_checkpoint(self.model_path)
+            if passes == 0 and not (source is not None and linear.int8_available()
+                                    and self.linear_backend == linear.Q4_1_BACKEND):
+                raise ValueError(
+                    "--linear-activations int8 multiplies a GGUF file's Q4_1 projections "
+                    f"(--weight-dtype auto) on {linear.Q4_1_BACKEND} with "
+                    f"{', '.join(linear.INT8_FLAGS)}; this model or CPU has none of that")
             module = pack_projections(module, self.linear_backend, passes, source)
             stored = "q4_1" if any(
                 isinstance(w, PackedWeight) and w.values.dtype == jnp.uint8
                 for w in jax.tree.leaves(nnx.state(module), is_leaf=is_packed)) else "bfloat16"
+            if passes == 0 and stored != "q4_1":
+                raise ValueError("--linear-activations int8: the file stores no projection "
+                                 "as Q4_1")
         self.weight_dtype = stored
         # auto: pages in the serving dtype (f16 only there: --dtype float16), or in bf16
         # where every projection already rounds its input to bf16 (a kernel, one pass): a
@@ -115,7 +128,7 @@ class LLM:
         # (Zen 5), with half the bytes a token
         self.kv_dtype = cfg.kv_dtype
         if cfg.kv_dtype == "auto":
-            self.kv_dtype = "bf16" if self.linear_activations == "bf16" else storage_name(
+            self.kv_dtype = "bf16" if self.linear_activations in ("bf16", "int8") else storage_name(
                 self.dtype)
         self.num_pages = cfg.num_pages
         if cfg.kv_cache_bytes is not None:

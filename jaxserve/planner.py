@@ -355,8 +355,10 @@ def stored_weight_bytes(model: ModelShape, weight_dtype: str, dtype: str,
     """The bytes of weights jaxserve's engine holds: the projections in `weight_dtype` (with
     an f32 scale per output column where quantized), every other parameter in `dtype`.
     `packed`: the projections and the LM head packed for a bf16 CPU kernel instead
-    (cpu_kernels/linear.py: bf16, each input dimension padded to whole tiles of 32); a
-    tied model keeps its embedding for the lookup beside the packed head."""
+    (cpu_kernels/linear.py: bf16, each input dimension padded to whole tiles of 32; with
+    `weight_dtype` "q4_1" the projections as a GGUF file's Q4_1 blocks, 320 bytes a tile
+    of 512 weights, the head still bf16); a tied model keeps its embedding for the lookup
+    beside the packed head."""
     projections, columns = model.projection_params
     rest = model.num_params - projections
     if packed:
@@ -369,7 +371,8 @@ def stored_weight_bytes(model: ModelShape, weight_dtype: str, dtype: str,
         head = 2 * tiles(h) * model.vocab_size
         if not model.tie_word_embeddings:  # the head is packed in place, not copied
             rest -= h * model.vocab_size
-        return 2 * model.num_layers * layer + head + rest * DTYPE_BYTES[dtype]
+        per_weight = 320 / 512 if weight_dtype == "q4_1" else 2
+        return round(per_weight * model.num_layers * layer + head + rest * DTYPE_BYTES[dtype])
     scales = 4 * columns if weight_dtype in SCALED_WEIGHTS else 0
     return round(projections * DTYPE_BYTES[weight_dtype] + scales + rest * DTYPE_BYTES[dtype])
 

@@ -17,16 +17,23 @@ def test_help_names_the_weight_dtypes():
 
 
 def test_conditions_pair_each_dtype_with_the_other_in_f32():
-    assert quantization.conditions(["auto", "int8"], ["fp8"], kernel=False) == {
-        "f32": ("f32", "auto", "auto"), "auto": ("auto", "auto", "auto"),
-        "int8": ("int8", "auto", "auto"), "kv-fp8": ("f32", "fp8", "auto")}
+    assert quantization.conditions(["auto", "int8"], ["fp8"], kernel=False, int8=False) == {
+        "f32": ("f32", "auto", "auto", "auto"), "auto": ("auto", "auto", "auto", "auto"),
+        "int8": ("int8", "auto", "auto", "auto"), "kv-fp8": ("f32", "fp8", "auto", "auto")}
 
 
 def test_bf16_runs_through_xla_too_where_a_kernel_serves_it():
-    conds = quantization.conditions(["bf16"], [], kernel=True)
-    assert conds == {"f32": ("f32", "auto", "auto"), "bf16": ("bf16", "auto", "auto"),
-                     "bf16-xla": ("bf16", "auto", "xla")}
-    assert "bf16-xla" not in quantization.conditions(["bf16"], [], kernel=False)
+    conds = quantization.conditions(["bf16"], [], kernel=True, int8=False)
+    assert conds == {"f32": ("f32", "auto", "auto", "auto"),
+                     "bf16": ("bf16", "auto", "auto", "auto"),
+                     "bf16-xla": ("bf16", "auto", "xla", "auto")}
+    assert "bf16-xla" not in quantization.conditions(["bf16"], [], kernel=False, int8=False)
+
+
+def test_auto_runs_with_int8_activations_too_where_the_cpu_has_them():
+    conds = quantization.conditions(["auto"], [], kernel=True, int8=True)
+    assert conds["auto-int8"] == ("auto", "auto", "auto", "int8")
+    assert "auto-int8" not in quantization.conditions(["auto"], [], kernel=True, int8=False)
 
 
 def test_agreement_counts_tokens_before_the_first_divergence():

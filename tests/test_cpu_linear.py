@@ -165,6 +165,72 @@ def test_a_q4_1_weight_multiplies_as_its_bf16_packing(passes):
             np.testing.assert_array_equal(got, want, err_msg=f"{m} rows, layer {layer}")
 
 
+INT8 = pytest.mark.skipif(not linear.int8_available(),
+                          reason=f"this CPU lacks avx512_bf16 or {', '.join(linear.INT8_FLAGS)}")
+
+
+@INT8
+def test_int8_activations_compute_llamacpps_q8_arithmetic():
+    """passes 0: each row's block of 32 inputs quantized to int8 with one scale, the dot
+    products with the Q4_1 nibbles exact, the blocks summed in f32 (linear.q8_reference,
+    in float64): one row, register blocks and their remainder, a prefill, at each layer of
+    a stack, k not a whole number of blocks of x; each row's bits the same in any batch."""
+    rng = np.random.default_rng(5)
+    blocks = q4_1_blocks(rng, 2, 80, 576)
+    packed = linear.pack_q4_1(blocks)
+    x = rng.standard_normal((40, 576)).astype(np.float32)
+    x[7, :32] = 0  # a block of zeros: scale 0
+    for m in (1, 3, 5, 16, 40):
+        for layer in (0, 1):
+            got = np.asarray(linear.packed_linear(jnp.asarray(x[:m]), jnp.asarray(packed),
+                                                  layer, "avx512_bf16", 0))
+            want = linear.q8_reference(x[:m], packed[layer])
+            np.testing.assert_allclose(got, want, rtol=0, atol=2e-6 * np.abs(want).max(),
+                                       err_msg=f"{m} rows, layer {layer}")
+            if m == 40:
+                alone = [np.asarray(linear.packed_linear(jnp.asarray(x[i:i + 1]),
+                                                         jnp.asarray(packed), layer,
+                                                         "avx512_bf16", 0)) for i in (0, 7, 39)]
+                np.testing.assert_array_equal(np.concatenate(alone), got[[0, 7, 39]])
+    # within int8's rounding of the exact product: 2^-8 of a block's largest input
+    exact = x.astype(np.float64) @ linear.unpack_q4_1(packed[0]).astype(np.float64)
+    got = np.asarray(linear.packed_linear(jnp.asarray(x), jnp.asarray(packed), 0,
+                                          "avx512_bf16", 0))
+    assert np.abs(got - exact).max() < 0.02 * np.abs(exact).max()
+
+
+@INT8
+def test_int8_activations_are_for_q4_1_weights_and_keep_non_finite_rows():
+    with pytest.raises(ValueError, match="Q4_1 weights only"):
+        linear.packed_linear(jnp.ones((1, 32)), jnp.asarray(linear.pack(np.ones((32, 16)))),
+                             backend="avx512_bf16", passes=0)
+    packed = jnp.asarray(linear.pack_q4_1(q4_1_blocks(np.random.default_rng(0), 16, 64)))
+    x = np.ones((3, 64), np.float32)
+    x[0, 3], x[1, 40] = np.nan, np.inf
+    got = np.asarray(linear.packed_linear(jnp.asarray(x), packed, backend="avx512_bf16",
+                                          passes=0))
+    assert not np.isfinite(got[:2]).any() and np.isfinite(got[2]).all()
+
+
+@pytest.mark.slow  # the real model
+@INT8
+def test_int8_activations_serve_a_gguf_files_q4_1_projections(smollm2_gguf):
+    """--linear-activations int8: the Q4_1 projections take int8 activations, the head
+    bf16 ones; each prompt's greedy tokens are the same alone as in a batch; a model
+    without Q4_1 projections is refused."""
+    prompts = [[1, 504, 3458, 282, 4649, 314], list(range(100, 160))]
+    llm = LLM(smollm2_gguf, linear_activations="int8", **ENGINE)
+    assert (llm.weight_dtype, llm.linear_activations, llm.kv_dtype) == ("q4_1", "int8", "bf16")
+    layers = llm.runner.state["layers"]
+    assert {layers[n].get_value().passes for n in ("qkv", "o_proj", "gate_up", "down_proj")
+            } == {0}
+    assert llm.runner.state["lm_head"].get_value().passes == 1
+    together = [o.token_ids for o in llm.generate(prompts, GREEDY)]
+    assert together == [llm.generate([p], GREEDY)[0].token_ids for p in prompts]
+    with pytest.raises(ValueError, match="int8"):
+        LLM(smollm2_gguf, linear_activations="int8", weight_dtype="bf16", **ENGINE)
+
+
 @pytest.mark.slow  # the real model, loaded twice
 @pytest.mark.skipif(not linear.available("avx512_bf16"), reason="this CPU has no avx512_bf16")
 def test_auto_keeps_a_gguf_files_q4_1_projections(smollm2_gguf):
@@ -183,6 +249,9 @@ def test_auto_keeps_a_gguf_files_q4_1_projections(smollm2_gguf):
     projections = c.num_layers * c.hidden_size * (
         2 * c.num_heads * c.head_dim + 2 * c.num_kv_heads * c.head_dim + 3 * c.intermediate_size)
     assert bf16_llm.weight_bytes - auto.weight_bytes == projections * (2 - 20 / 32)
+    for llm, stored in ((auto, "q4_1"), (bf16_llm, "bf16")):  # the planner counts alike
+        assert planner.stored_weight_bytes(planner.shape_of(c, "served"), stored, "f32",
+                                           packed=True) == llm.weight_bytes, stored
     assert [o.token_ids for o in auto.generate(prompts, GREEDY)] == [
         o.token_ids for o in bf16_llm.generate(prompts, GREEDY)]
 

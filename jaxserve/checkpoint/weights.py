@@ -254,7 +254,8 @@ def pack_projections(model: nnx.Module, backend: str, passes: int,
                      source: Checkpoint | None = None) -> nnx.Module:
     """`model` (on one device) with its float projections packed for `backend`'s kernel
     (layers.PackedWeight, cpu_kernels.linear.KERNELS), which multiplies them in `passes`
-    (1: activations rounded to bf16; 2: kept in f32). They are rounded to bf16 as `pack`
+    (1: activations rounded to bf16; 2: kept in f32; 0: int8 for the Q4_1 ones, bf16 for
+    the rest). They are rounded to bf16 as `pack`
     does (an f32 model is packed straight, not stored as bf16 first), and the LM head is
     packed too: the step's largest matmul. A tied head gains a packed copy of the
     embedding, which the lookup keeps reading. Projections of one input (adapters.GROUPS:
@@ -265,6 +266,7 @@ def pack_projections(model: nnx.Module, backend: str, passes: int,
     graphdef, state = nnx.split(model)
     rules = get_model_spec(model.config.architecture).weight_map(model.config)
     keep_q4_1 = source is not None and backend == Q4_1_BACKEND
+    bf16_passes = max(passes, 1)  # int8 activations (0) are for Q4_1 weights; bf16 take bf16
 
     def packed(name: str, value):
         rule = rules[name]
@@ -275,7 +277,7 @@ def pack_projections(model: nnx.Module, backend: str, passes: int,
             keep_q4_1) else None
         if blocks is not None:
             return PackedWeight(jnp.asarray(pack_q4_1(blocks)), backend, passes)
-        return PackedWeight(jnp.asarray(pack(np.asarray(value))), backend, passes)
+        return PackedWeight(jnp.asarray(pack(np.asarray(value))), backend, bf16_passes)
 
     model = nnx.merge(graphdef, map_params(packed, state))
     layers = getattr(model, "layers", None)  # llama.py's layout: one input's projections fused
@@ -294,7 +296,7 @@ def pack_projections(model: nnx.Module, backend: str, passes: int,
     elif hasattr(model, "embed"):  # tied
         head = model.embed.get_value().T
     if isinstance(head, jax.Array) and fits(*head.shape):
-        packed = PackedWeight(jnp.asarray(pack(np.asarray(head))), backend, passes)
+        packed = PackedWeight(jnp.asarray(pack(np.asarray(head))), backend, bf16_passes)
         model.lm_head = nnx.Param(packed)
     return model
 

@@ -29,6 +29,7 @@
 #include <atomic>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <vector>
 
 #include "work_queue.h"
@@ -332,6 +333,148 @@ AVX512_BF16 void Q41Columns(const Problem& p, const uint8_t* w, int64_t b0, int6
   else VecColumns<kLo>(part, 0, b1 - b0);
 }
 
+// int8 activations (`passes` 0) against Q4_1 weights, on AVX512-VNNI: what llama.cpp
+// computes for a Q4_1 file. Each row's block of 32 inputs is quantized to int8 with one
+// f32 scale (d = max|x| / 127, q = round(x / d) to nearest even), and s = d * sum(q); a
+// column's block then adds dw * d * (q_w . q) + mw * s, the integer dot product exact
+// (`vpdpbusd`: the weight's nibbles as u8 times x's int8, four products a lane). The
+// nibbles need no widening to bf16, and a vpdpbusd does 64 products where a vdpbf16ps
+// does 32.
+#define AVX512_VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx512vbmi")))
+
+#ifndef Q8R
+#define Q8R 2
+#define Q8C 4
+#endif
+struct Q8Rows {
+  const int8_t* q;  // [rows, k_blocks * 32]: each 8 inputs' even ones, then their odd ones
+  const float* d;   // [rows, k_blocks]
+  const float* s;   // [rows, k_blocks]: d * the sum of the block's q
+  int64_t k_blocks;
+};
+
+// x [m, k] quantized per row and block of 32 inputs (Q8Rows); inputs past k are zeros.
+AVX512_VNNI void QuantizeRows(const float* x, int64_t m, int64_t k, int64_t k_blocks,
+                              int8_t* q, float* d, float* s) {
+  // within 8 inputs, the evens (bytes 0-3) then the odds (4-7), as a Q4_1 tile's pair
+  // rows hold them: four pair rows' low nibbles are inputs 0, 2, 4, 6
+  alignas(32) static constexpr int8_t kOrder[32] = {
+      0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15,
+      16, 18, 20, 22, 17, 19, 21, 23, 24, 26, 28, 30, 25, 27, 29, 31};
+  const __m256i order = _mm256_load_si256(reinterpret_cast<const __m256i*>(kOrder));
+  for (int64_t r = 0; r < m; ++r)
+    for (int64_t kb = 0; kb < k_blocks; ++kb) {
+      const int64_t c = kb * kDepth;
+      const auto live = [&](int64_t at) -> __mmask16 {
+        return k - at >= 16 ? 0xffff : k - at <= 0 ? 0 : (1u << (k - at)) - 1;
+      };
+      const __m512 v0 = _mm512_maskz_loadu_ps(live(c), x + r * k + c);
+      const __m512 v1 = _mm512_maskz_loadu_ps(live(c + 16), x + r * k + c + 16);
+      const float amax = _mm512_reduce_max_ps(
+          _mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+      // an inf or NaN input (x * 0 is NaN) makes the block's scale NaN: non-finite in, out
+      const __m512 zero = _mm512_setzero_ps();
+      const bool finite = !(_mm512_cmp_ps_mask(_mm512_mul_ps(v0, zero), zero, _CMP_NEQ_UQ) |
+                            _mm512_cmp_ps_mask(_mm512_mul_ps(v1, zero), zero, _CMP_NEQ_UQ));
+      const float dd = finite ? amax / 127.0f : std::numeric_limits<float>::quiet_NaN();
+      const float id = finite && dd != 0.0f ? 1.0f / dd : 0.0f;
+      const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, _mm512_set1_ps(id)));
+      const __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, _mm512_set1_ps(id)));
+      const int32_t sum = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+      const __m256i bytes = _mm256_set_m128i(_mm512_cvtepi32_epi8(q1), _mm512_cvtepi32_epi8(q0));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + (r * k_blocks + kb) * kDepth),
+                          _mm256_permutexvar_epi8(order, bytes));
+      d[r * k_blocks + kb] = dd;
+      s[r * k_blocks + kb] = dd * static_cast<float>(sum);
+    }
+}
+
+// Rows [row, row + R) times column blocks [b, b + C) of a Q4_1 weight, int8 activations.
+template <int R, int C>
+AVX512_VNNI void Q8Block(const Problem& p, const Q8Rows& x, const uint8_t* w, int64_t row,
+                         int64_t b, int64_t rows) {
+  // a pair-row group's 64 bytes (4 pair rows x 16 columns) turned into a column a lane:
+  // byte 4c + j of the result is byte 16j + c
+  alignas(64) static constexpr uint8_t kGather[64] = {
+      0, 16, 32, 48, 1, 17, 33, 49, 2, 18, 34, 50, 3, 19, 35, 51,
+      4, 20, 36, 52, 5, 21, 37, 53, 6, 22, 38, 54, 7, 23, 39, 55,
+      8, 24, 40, 56, 9, 25, 41, 57, 10, 26, 42, 58, 11, 27, 43, 59,
+      12, 28, 44, 60, 13, 29, 45, 61, 14, 30, 46, 62, 15, 31, 47, 63};
+  const __m512i gather = _mm512_load_si512(kGather);
+  const __m512i low = _mm512_set1_epi8(0xf);
+  __m512 acc[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
+  const int64_t kbs = x.k_blocks;
+  for (int64_t kb = 0; kb < kbs; ++kb) {
+    const uint8_t* t[C];
+    for (int c = 0; c < C; ++c) {
+      t[c] = w + ((b + c) * kbs + kb) * kQ4Tile;
+      for (int64_t line = 0; line < kQ4Tile; line += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(t[c] + kQ4Ahead * kQ4Tile + line), _MM_HINT_T0);
+    }
+    __m512i dot[R][C];
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < C; ++c) dot[r][c] = _mm512_setzero_si512();
+    for (int g = 0; g < 4; ++g) {
+      __m512i lo[C], hi[C];
+      for (int c = 0; c < C; ++c) {
+        const __m512i raw = _mm512_permutexvar_epi8(
+            gather, _mm512_loadu_si512(t[c] + kQ4Scales + 64 * g));
+        lo[c] = _mm512_and_si512(raw, low);
+        hi[c] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
+      }
+      for (int r = 0; r < R; ++r) {
+        const int8_t* xq = x.q + ((row + r) * kbs + kb) * kDepth + 8 * g;
+        int32_t evens, odds;
+        std::memcpy(&evens, xq, 4);
+        std::memcpy(&odds, xq + 4, 4);
+        const __m512i a = _mm512_set1_epi32(evens), o = _mm512_set1_epi32(odds);
+        for (int c = 0; c < C; ++c) {
+          dot[r][c] = _mm512_dpbusd_epi32(dot[r][c], lo[c], a);
+          dot[r][c] = _mm512_dpbusd_epi32(dot[r][c], hi[c], o);
+        }
+      }
+    }
+    __m512 dw[C], mw[C];
+    for (int c = 0; c < C; ++c) {
+      dw[c] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(t[c])));
+      mw[c] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(t[c] + 32)));
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m512 dx = _mm512_set1_ps(x.d[(row + r) * kbs + kb]);
+      const __m512 sx = _mm512_set1_ps(x.s[(row + r) * kbs + kb]);
+      for (int c = 0; c < C; ++c) {
+        acc[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r][c]), _mm512_mul_ps(dw[c], dx), acc[r][c]);
+        acc[r][c] = _mm512_fmadd_ps(mw[c], sx, acc[r][c]);
+      }
+    }
+  }
+  for (int64_t r = 0; r < std::min<int64_t>(R, rows); ++r)
+    for (int c = 0; c < C; ++c)
+      _mm512_storeu_ps(p.y + (row + r) * p.n + (b + c) * kCols, acc[r][c]);
+}
+
+// Output columns [16 * b0, 16 * b1) for every row, int8 activations: register blocks of
+// kVecRows rows x kQ8Blocks column blocks (16 int32 dot products and 16 f32 sums; 2 x 4
+// measured alike on a Zen 5), a lone last row in a one-row block.
+constexpr int64_t kQ8Blocks = 2;
+
+AVX512_VNNI void Q8Columns(const Problem& p, const Q8Rows& x, const uint8_t* w, int64_t b0,
+                           int64_t b1) {
+  for (int64_t row = 0; row < p.m; row += kVecRows) {
+    const int64_t rows = p.m - row;
+    for (int64_t b = b0; b < b1;) {
+      const bool whole = b1 - b >= kQ8Blocks;
+      if (whole && rows == 1) Q8Block<1, kQ8Blocks>(p, x, w, row, b, rows);
+      else if (whole) Q8Block<kVecRows, kQ8Blocks>(p, x, w, row, b, rows);
+      else if (rows == 1) Q8Block<1, 1>(p, x, w, row, b, rows);
+      else Q8Block<kVecRows, 1>(p, x, w, row, b, rows);
+      b += whole ? kQ8Blocks : 1;
+    }
+  }
+}
+
 enum class Isa { kAmx, kAvx512Bf16 };
 
 template <Isa isa, ffi::DataType kWeight>
@@ -349,12 +492,34 @@ ffi::Error Linear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<kWe
     return ffi::Error::InvalidArgument("packed linear: x's inputs do not match w's");
   const int64_t l = layer.typed_data()[0];
   if (l < 0 || l >= wd[0]) return ffi::Error::InvalidArgument("packed linear: layer out of range");
-  if (passes != 1 && passes != 2)
-    return ffi::Error::InvalidArgument("packed linear: passes must be 1 or 2");
+  if (passes != 1 && passes != 2 && !(kQ41 && passes == 0))
+    return ffi::Error::InvalidArgument("packed linear: passes must be 1 or 2 (or 0, Q4_1 only)");
   if (isa == Isa::kAmx && !RequestAmx())
     return ffi::Error::Internal("amx linear: the kernel refused AMX's tile state");
   if (m == 0) return ffi::Error::Success();
   const int64_t m_blocks = (m + kRows - 1) / kRows, depth = k_blocks * kDepth;
+  if constexpr (kQ41) {
+    if (passes == 0) {
+      const int64_t m_pad = (m + kVecRows - 1) / kVecRows * kVecRows;
+      std::vector<int8_t> q(m_pad * depth, 0);
+      std::vector<float> d(m_pad * k_blocks, 0.0f), s(m_pad * k_blocks, 0.0f);
+      QuantizeRows(x.typed_data(), m, k, k_blocks, q.data(), d.data(), s.data());
+      const Q8Rows rows{q.data(), d.data(), s.data(), k_blocks};
+      const uint8_t* w8 = w.typed_data() + l * n_blocks * k_blocks * kQ4Tile;
+      const Problem p{nullptr, nullptr, nullptr, y->typed_data(), m, n_blocks * kCols, m_blocks,
+                      n_blocks, k_blocks};
+      const int64_t items = (n_blocks + kVecBlocks - 1) / kVecBlocks;
+      jaxserve::RunOnPool(pool, items, [p, rows, w8](std::atomic<int64_t>& next, int64_t total) {
+        int64_t finished = 0;
+        for (int64_t i = next.fetch_add(1); i < total; i = next.fetch_add(1), ++finished) {
+          const int64_t b0 = i * kVecBlocks, b1 = std::min(p.n_blocks, b0 + kVecBlocks);
+          Q8Columns(p, rows, w8, b0, b1);
+        }
+        return finished;
+      });
+      return ffi::Error::Success();
+    }
+  }
   std::vector<uint16_t> hi(m_blocks * kRows * depth, 0), lo(passes == 2 ? hi.size() : 0, 0);
   uint16_t* x_lo = passes == 2 ? lo.data() : nullptr;
   Split(x.typed_data(), m, k, depth, hi.data(), x_lo);
@@ -400,7 +565,7 @@ ffi::Error Linear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<kWe
       .Arg<ffi::Buffer<weight>>() /* w, packed */  \
       .Arg<ffi::Buffer<ffi::S32>>() /* layer */    \
       .Ret<ffi::Buffer<ffi::F32>>() /* y */        \
-      .Attr<int32_t>("passes") /* 1: x in bf16; 2: hi + lo */
+      .Attr<int32_t>("passes") /* 1: x in bf16; 2: hi + lo; 0: int8 (Q4_1) */
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveAmxLinear, (Linear<Isa::kAmx, ffi::U16>),
                               JAXSERVE_LINEAR_BINDING(ffi::U16));

@@ -12,7 +12,10 @@ split into two bf16 parts; reference `x @ unpack(w)`; see linear.cc).
 A GGUF file's Q4_1 projections can stay Q4_1 (`pack_q4_1`: 0.31x the bytes of bf16) on
 AVX512-BF16: the kernel widens each tile to bf16 as it multiplies it, exactly as `pack`
 rounds the dequantized weight, so the results are the bf16 packing's bit for bit, and a
-decode step, which streams every weight once, reads a third of the bytes.
+decode step, which streams every weight once, reads a third of the bytes. On AVX512-VNNI
+a Q4_1 weight can instead take int8 activations (`passes` 0: x quantized per row and
+block of 32 inputs, the nibbles multiplied as integers, as llama.cpp computes a Q4_1
+file; reference `q8_reference`), with no widening at all.
 """
 
 import ctypes
@@ -33,6 +36,7 @@ Q4_1_TILE = (20, 16)  # a Q4_1 tile's bytes: 16 columns' d and m (f16), 16 rows 
 # the Q4_1 kernel: its FFI target and linear.cc's symbol; it runs where avx512_bf16 does
 Q4_1_KERNEL = ("jaxserve_avx512_bf16_q4_1_linear", "JaxserveAvx512Bf16Q41Linear")
 Q4_1_BACKEND = "avx512_bf16"
+INT8_FLAGS = ("avx512_vnni", "avx512vbmi")  # what int8 activations (passes 0) also need
 # backend: (its FFI target, linear.cc's handler symbol, the CPU flags it runs on), in the
 # order `auto` prefers them
 KERNELS = {
@@ -78,6 +82,12 @@ def available(backend: str) -> bool:
                                     jax.ffi.pycapsule(getattr(library, Q4_1_KERNEL[1])),
                                     platform="cpu")
     return True
+
+
+def int8_available() -> bool:
+    """Q4_1 weights can take int8 activations (`passes` 0) on this CPU."""
+    flags = cpu_flags().split()
+    return all(flag in flags for flag in INT8_FLAGS) and available(Q4_1_BACKEND)
 
 
 def select(requested: str, weight_dtype: str, dtype: jnp.dtype, one_device: bool) -> str:
@@ -173,11 +183,38 @@ def unpack_q4_1(packed: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(w).reshape(*lead, k_blocks * DEPTH, n_blocks * 16)
 
 
+def q8_reference(x: np.ndarray, packed: np.ndarray) -> np.ndarray:
+    """What int8 activations (`passes` 0) compute for x [m, k] and one Q4_1 weight (`pack_q4_1`),
+    in float64 from the same quantized values: each row's block of 32 inputs as d = max|x|
+    / 127 and q = round(x / d) (to nearest even, in f32), s = d * sum(q); a column's block
+    adds dw * d * (q_w . q) + mw * s. The kernel sums the blocks in f32, so it agrees to
+    f32 rounding."""
+    n_blocks, k_blocks = packed.shape[:2]
+    m, k = x.shape
+    tiles = np.asarray(packed).reshape(n_blocks, k_blocks, -1)
+    dw = tiles[..., 0:32].copy().view(np.float16).astype(np.float64)  # [nb, kb, 16]
+    mw = tiles[..., 32:64].copy().view(np.float16).astype(np.float64)
+    pairs = tiles[..., 64:].reshape(n_blocks, k_blocks, ROWS, 16)
+    qw = np.stack([pairs & 0xF, pairs >> 4], axis=-2).reshape(n_blocks, k_blocks, DEPTH, 16)
+    xb = np.zeros((m, k_blocks * DEPTH), np.float32)
+    xb[:, :k] = x
+    xb = xb.reshape(m, k_blocks, DEPTH)
+    d = np.abs(xb).max(-1) / np.float32(127)
+    inv = np.divide(np.float32(1), d, out=np.zeros_like(d), where=d != 0)
+    q = np.rint(xb * inv[..., None])
+    s = d.astype(np.float64) * q.sum(-1)
+    dots = np.einsum("rbi,nbic->rbnc", q.astype(np.float64), qw.astype(np.float64))
+    y = dots * dw[None].transpose(0, 2, 1, 3) * d[:, :, None, None] + (
+        mw[None].transpose(0, 2, 1, 3) * s[:, :, None, None])
+    return y.sum(1).reshape(m, n_blocks * 16)
+
+
 def packed_linear(x: jax.Array, packed: jax.Array, layer: jax.Array | int | None = None,
                   backend: str = "amx", passes: int = 2) -> jax.Array:
     """x [..., in] (f32) @ the packed weight (one [n/16, k/32, 16, 32], or Q4_1's [n/16,
     k/32, 20, 16], or a stack of them with the `layer` to use) → f32 [..., out], on
-    `backend`'s kernel (a key of KERNELS), with x rounded to bf16 (`passes` 1) or not (2)."""
+    `backend`'s kernel (a key of KERNELS), with x rounded to bf16 (`passes` 1), not (2),
+    or, for a Q4_1 weight on AVX512-VNNI, quantized to int8 per block of 32 (0)."""
     if x.dtype != jnp.float32:
         raise ValueError(f"the {backend} kernel takes f32 activations, got {x.dtype}")
     q4_1 = packed.dtype == jnp.uint8  # pack_q4_1's tiles, else pack's
@@ -194,8 +231,13 @@ def packed_linear(x: jax.Array, packed: jax.Array, layer: jax.Array | int | None
     k = x.shape[-1]
     if not (packed.shape[2] - 1) * DEPTH < k <= packed.shape[2] * DEPTH:
         raise ValueError(f"x has {k} inputs; the weight takes {packed.shape[2] * DEPTH} (padded)")
-    if passes not in (1, 2):
-        raise ValueError(f"passes must be 1 (x in bf16) or 2 (x in f32), got {passes}")
+    if passes not in (0, 1, 2):
+        raise ValueError(f"passes must be 1 (x in bf16), 2 (x in f32) or 0 (x in int8), got "
+                         f"{passes}")
+    if passes == 0 and not q4_1:
+        raise ValueError("int8 activations (passes 0) multiply Q4_1 weights only")
+    if passes == 0 and not int8_available():
+        raise RuntimeError(f"int8 activations need {', '.join(INT8_FLAGS)}, which this CPU lacks")
     if not available(backend):
         raise RuntimeError(f"the {backend} bf16 kernel is unavailable here (see the log)")
     n = packed.shape[1] * 16

@@ -170,7 +170,8 @@ class ModelRunner:
                            if is_packed(w)), None)
             self.adapter_store = SlotStore(
                 cfg, *adapter_slots, mesh, slot_axes(param_axes(cfg)),
-                *(() if kernel is None else (kernel.backend, kernel.passes)),
+                # (bf16 weights: int8 activations, passes 0, multiply Q4_1 ones only)
+                *(() if kernel is None else (kernel.backend, max(kernel.passes, 1))),
             )
             self.adapter_slots = self.adapter_store.slots()
             if self.layout is not None:

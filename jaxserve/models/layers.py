@@ -48,7 +48,7 @@ class PackedWeight:
 
     values: jax.Array  # u16[..., out/16, in/32, 16, 32]
     backend: str = field(metadata={"static": True})  # a key of cpu_kernels.linear.KERNELS
-    passes: int = field(metadata={"static": True})  # 1: activations in bf16; 2: in f32
+    passes: int = field(metadata={"static": True})  # 1: x in bf16; 2: f32; 0: int8 (Q4_1)
     layer: jax.Array | None = None  # i32[]
     # several projections of one input side by side (`fuse`): each one's output columns
     splits: tuple[int, ...] = field(default=(), metadata={"static": True})
