@@ -346,14 +346,14 @@ AVX512_BF16 void Q41Columns(const Problem& p, const uint8_t* w, int64_t b0, int6
 #define Q8R 2
 #define Q8C 4
 #endif
-struct Q8Rows {
+struct Int8Rows {
   const int8_t* q;  // [rows, k_blocks * 32]: each 8 inputs' even ones, then their odd ones
   const float* d;   // [rows, k_blocks]
   const float* s;   // [rows, k_blocks]: d * the sum of the block's q
   int64_t k_blocks;
 };
 
-// x [m, k] quantized per row and block of 32 inputs (Q8Rows); inputs past k are zeros.
+// x [m, k] quantized per row and block of 32 inputs (Int8Rows); inputs past k are zeros.
 AVX512_VNNI void QuantizeRows(const float* x, int64_t m, int64_t k, int64_t k_blocks,
                               int8_t* q, float* d, float* s) {
   // within 8 inputs, the evens (bytes 0-3) then the odds (4-7), as a Q4_1 tile's pair
@@ -391,7 +391,7 @@ AVX512_VNNI void QuantizeRows(const float* x, int64_t m, int64_t k, int64_t k_bl
 
 // Rows [row, row + R) times column blocks [b, b + C) of a Q4_1 weight, int8 activations.
 template <int R, int C>
-AVX512_VNNI void Q8Block(const Problem& p, const Q8Rows& x, const uint8_t* w, int64_t row,
+AVX512_VNNI void Int8Block(const Problem& p, const Int8Rows& x, const uint8_t* w, int64_t row,
                          int64_t b, int64_t rows) {
   // a pair-row group's 64 bytes (4 pair rows x 16 columns) turned into a column a lane:
   // byte 4c + j of the result is byte 16j + c
@@ -456,21 +456,21 @@ AVX512_VNNI void Q8Block(const Problem& p, const Q8Rows& x, const uint8_t* w, in
 }
 
 // Output columns [16 * b0, 16 * b1) for every row, int8 activations: register blocks of
-// kVecRows rows x kQ8Blocks column blocks (16 int32 dot products and 16 f32 sums; 2 x 4
+// kVecRows rows x kInt8Blocks column blocks (16 int32 dot products and 16 f32 sums; 2 x 4
 // measured alike on a Zen 5), a lone last row in a one-row block.
-constexpr int64_t kQ8Blocks = 2;
+constexpr int64_t kInt8Blocks = 2;
 
-AVX512_VNNI void Q8Columns(const Problem& p, const Q8Rows& x, const uint8_t* w, int64_t b0,
+AVX512_VNNI void Int8Columns(const Problem& p, const Int8Rows& x, const uint8_t* w, int64_t b0,
                            int64_t b1) {
   for (int64_t row = 0; row < p.m; row += kVecRows) {
     const int64_t rows = p.m - row;
     for (int64_t b = b0; b < b1;) {
-      const bool whole = b1 - b >= kQ8Blocks;
-      if (whole && rows == 1) Q8Block<1, kQ8Blocks>(p, x, w, row, b, rows);
-      else if (whole) Q8Block<kVecRows, kQ8Blocks>(p, x, w, row, b, rows);
-      else if (rows == 1) Q8Block<1, 1>(p, x, w, row, b, rows);
-      else Q8Block<kVecRows, 1>(p, x, w, row, b, rows);
-      b += whole ? kQ8Blocks : 1;
+      const bool whole = b1 - b >= kInt8Blocks;
+      if (whole && rows == 1) Int8Block<1, kInt8Blocks>(p, x, w, row, b, rows);
+      else if (whole) Int8Block<kVecRows, kInt8Blocks>(p, x, w, row, b, rows);
+      else if (rows == 1) Int8Block<1, 1>(p, x, w, row, b, rows);
+      else Int8Block<kVecRows, 1>(p, x, w, row, b, rows);
+      b += whole ? kInt8Blocks : 1;
     }
   }
 }
@@ -504,7 +504,7 @@ ffi::Error Linear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<kWe
       std::vector<int8_t> q(m_pad * depth, 0);
       std::vector<float> d(m_pad * k_blocks, 0.0f), s(m_pad * k_blocks, 0.0f);
       QuantizeRows(x.typed_data(), m, k, k_blocks, q.data(), d.data(), s.data());
-      const Q8Rows rows{q.data(), d.data(), s.data(), k_blocks};
+      const Int8Rows rows{q.data(), d.data(), s.data(), k_blocks};
       const uint8_t* w8 = w.typed_data() + l * n_blocks * k_blocks * kQ4Tile;
       const Problem p{nullptr, nullptr, nullptr, y->typed_data(), m, n_blocks * kCols, m_blocks,
                       n_blocks, k_blocks};
@@ -513,7 +513,7 @@ ffi::Error Linear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<kWe
         int64_t finished = 0;
         for (int64_t i = next.fetch_add(1); i < total; i = next.fetch_add(1), ++finished) {
           const int64_t b0 = i * kVecBlocks, b1 = std::min(p.n_blocks, b0 + kVecBlocks);
-          Q8Columns(p, rows, w8, b0, b1);
+          Int8Columns(p, rows, w8, b0, b1);
         }
         return finished;
       });
