@@ -115,6 +115,8 @@ def test_quantized_pools_match_the_reference_on_their_dequantized_values(
     assert (k_scale is None) == (storage != "int8")
     scale = head_dim**-0.5
     run = jax.jit(lambda *a, **s: cpu_paged_attention(*a, scale=scale, **s))
+    run_kept = jax.jit(lambda *a, **s: cpu_paged_attention(*a, scale=scale, k_transposed=True,
+                                                           **s))
     for rows in rows_cases(rng, page_size)[:3]:
         q_lens = [q for q, _ in rows]
         cu_q_lens = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
@@ -130,6 +132,10 @@ def test_quantized_pools_match_the_reference_on_their_dequantized_values(
         one_layer = scales(*(None if s is None else s[1] for s in (k_scale, v_scale)))
         alone = np.asarray(run(q, k[1], v[1], cu_q_lens, kv_lens, table, **one_layer))
         np.testing.assert_array_equal(alone, got)
+        # K kept transposed, as the engine keeps it for this kernel: the same bits
+        kept = np.asarray(run_kept(q, jnp.swapaxes(k, -1, -2), v, cu_q_lens, kv_lens, table,
+                                   1, **scales(k_scale, v_scale)))
+        np.testing.assert_array_equal(kept, got)
 
 
 @pytest.mark.parametrize("storage", QUANTIZED)
@@ -294,10 +300,15 @@ def test_the_kernel_itself_refuses_other_dtypes_and_misshapen_scales():
     q, dummy = jnp.zeros((4, 2, 16), jnp.float32), jnp.zeros((1,), jnp.float32)
     f16 = jnp.zeros((1, 2, 8, 4, 16), jnp.float16)
     with pytest.raises(Exception, match=r"must be f32, bf16 \(or its u16 bits\), s8 or f8e4m3fn"):
-        jax.block_until_ready(ffi(q, f16, f16, dummy, dummy, *ints, scale=np.float32(1)))
+        jax.block_until_ready(ffi(q, f16.swapaxes(-1, -2), f16, dummy, dummy, *ints,
+                                  scale=np.float32(1)))
     s8 = jnp.zeros((1, 2, 8, 4, 16), jnp.int8)
     with pytest.raises(Exception, match="s8 k/v need scales"):
-        jax.block_until_ready(ffi(q, s8, s8, dummy, dummy, *ints, scale=np.float32(1)))
+        jax.block_until_ready(ffi(q, s8.swapaxes(-1, -2), s8, dummy, dummy, *ints,
+                                  scale=np.float32(1)))
+    f32 = jnp.zeros((1, 2, 8, 4, 16), jnp.float32)  # K not transposed
+    with pytest.raises(Exception, match=r"k must be v's dtype, shaped \[L, H, P, head_dim"):
+        jax.block_until_ready(ffi(q, f32, f32, dummy, dummy, *ints, scale=np.float32(1)))
 
 
 def test_the_library_is_built_once_and_keyed_by_its_inputs(tmp_path, monkeypatch):

@@ -22,6 +22,7 @@ from jaxserve.device.kv_cache import (
     KV_STORAGE,
     KVCache,
     calibration_text,
+    init_kv_cache,
     quantize,
     write_kv,
 )
@@ -74,6 +75,15 @@ def test_write_kv_stores_each_tokens_values_and_scale_in_its_slot():
         np.testing.assert_allclose(got_k, k[t], atol=np.abs(k[t]).max() / 200)
         np.testing.assert_allclose(got_v, v[t], atol=np.abs(v[t]).max() / 200)
     assert int((np.asarray(cache.k_scale) != 0).sum()) == 2 * 3  # nothing else written
+    # K kept transposed (the CPU kernel's pages, [head_dim, page_size]): the same writes
+    kept = init_kv_cache(2, 3, 8, 5, 4, jnp.int8, k_transposed=True)
+    assert kept.k.shape == (2, 3, 5, 8, 4) and kept.page_size == 4
+    kept = write_kv(kept, jnp.int32(1), slots, jnp.asarray(k), jnp.asarray(v))
+    assert kept.k_transposed
+    np.testing.assert_array_equal(np.asarray(kept.k), np.swapaxes(np.asarray(cache.k), -1, -2))
+    for name in ("v", "k_scale", "v_scale"):
+        np.testing.assert_array_equal(np.asarray(getattr(kept, name)),
+                                      np.asarray(getattr(cache, name)))
 
 
 def fp8_cache(shape, k_center, v_center, k_channel_scale, v_channel_scale) -> KVCache:

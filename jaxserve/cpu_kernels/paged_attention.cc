@@ -11,6 +11,12 @@
 // token t sits at position kv_lens[r] - (cu_q_lens[r+1] - t) and sees keys 0..position.
 // Padding tokens (from cu_q_lens[num_rows] on) and tokens with no key get zeros.
 //
+// K is stored transposed (kv_cache.py's `k_transposed`): a page is [head_dim, page_size],
+// a key a column, so that the few queries of a decode take a page's scores as vector FMAs
+// with its keys on the lanes, reading it as it is (a [page_size, head_dim] page was
+// transposed in scratch for them: ~22 % of a 16-row decode's attention time on a Zen 5).
+// V stays [page_size, head_dim].
+//
 // Storage (kv_cache.py's --kv-dtype): f32 pages are read in place as above, and so are
 // bf16 pages on the AVX-512 path (AttendPage widens each row as it loads it). Elsewhere
 // bf16, and int8 (times its f32 scale per token and head) and fp8 e4m3fn pages always,
@@ -41,7 +47,6 @@ namespace {
 
 constexpr int64_t kTileTokens = 16;  // tokens of one row per work item
 constexpr int64_t kMaxPageSize = 256;
-constexpr int64_t kTransposeQueries = 8;  // queries on a page from which K is transposed
 constexpr int64_t kLanes = 16;  // queries a vector holds, one a lane (AttendLanes)
 constexpr int64_t kLaneQueries = 16;  // queries of an item from which AttendLanes takes them
 
@@ -69,21 +74,30 @@ struct F32 {
   using Stored = float;
 };
 
+// Load(src, scale, PS, D, keys_minor, dst): a page of PS keys (K: [D, PS], keys_minor;
+// V: [PS, D]) into dst in the same layout.
 struct Bf16 {
   using Stored = uint16_t;
-  static void Load(const uint16_t* __restrict src, const float*, int64_t keys, int64_t D,
+  static void Load(const uint16_t* __restrict src, const float*, int64_t PS, int64_t D, bool,
                    float* __restrict dst) {
 #pragma omp simd
-    for (int64_t i = 0; i < keys * D; ++i)
+    for (int64_t i = 0; i < PS * D; ++i)
       dst[i] = std::bit_cast<float>(static_cast<uint32_t>(src[i]) << 16);
   }
 };
 
 struct Int8 {
   using Stored = int8_t;
-  static void Load(const int8_t* __restrict src, const float* __restrict scale, int64_t keys,
-                   int64_t D, float* __restrict dst) {
-    for (int64_t j = 0; j < keys; ++j) {
+  static void Load(const int8_t* __restrict src, const float* __restrict scale, int64_t PS,
+                   int64_t D, bool keys_minor, float* __restrict dst) {
+    if (keys_minor) {
+      for (int64_t d = 0; d < D; ++d)
+#pragma omp simd
+        for (int64_t j = 0; j < PS; ++j)
+          dst[d * PS + j] = static_cast<float>(src[d * PS + j]) * scale[j];
+      return;
+    }
+    for (int64_t j = 0; j < PS; ++j) {
       const float s = scale[j];
 #pragma omp simd
       for (int64_t d = 0; d < D; ++d) dst[j * D + d] = static_cast<float>(src[j * D + d]) * s;
@@ -113,16 +127,17 @@ constexpr std::array<float, 256> kE4M3FN = [] {
 
 struct Fp8E4M3FN {
   using Stored = uint8_t;
-  static void Load(const uint8_t* __restrict src, const float*, int64_t keys, int64_t D,
+  static void Load(const uint8_t* __restrict src, const float*, int64_t PS, int64_t D, bool,
                    float* __restrict dst) {
-    for (int64_t i = 0; i < keys * D; ++i) dst[i] = kE4M3FN[src[i]];
+    for (int64_t i = 0; i < PS * D; ++i) dst[i] = kE4M3FN[src[i]];
   }
 };
 
 struct Problem {
   const float* q;       // [num_tokens, num_heads, head_dim]
-  const void* k;        // [num_layers, num_kv_heads, num_pages, page_size, head_dim]
-  const void* v;        //   in the storage of `dtype`
+  const void* k;        // [num_layers, num_kv_heads, num_pages, head_dim, page_size]
+  const void* v;        // [num_layers, num_kv_heads, num_pages, page_size, head_dim], both
+                        //   in the storage of `dtype`
   const float* k_scale;  // [num_layers, num_kv_heads, num_pages, page_size] int8 only
   const float* v_scale;
   ffi::DataType dtype;  // F32, BF16, S8 or F8E4M3FN
@@ -140,8 +155,8 @@ struct Item {
 
 // Per-thread buffers, sized once per call.
 struct Scratch {
-  std::vector<float> q, acc, m, l, s, kt;
-  std::vector<float> k, v;  // one page dequantized, [page_size, head_dim]; not for f32
+  std::vector<float> q, acc, m, l, s;
+  std::vector<float> k, v;  // one page dequantized, as stored; not for f32
   std::vector<int64_t> pos, valid;
   std::vector<float> qt;  // AttendLanes: q transposed, [blocks of kLanes queries, D, kLanes]
   std::vector<int32_t> lane_pos;  // and each query's position (-1: none)
@@ -151,7 +166,6 @@ struct Scratch {
         m(kTileTokens * group),
         l(kTileTokens * group),
         s(kTileTokens * group * p.page_size),
-        kt(p.head_dim * p.page_size),
         k(p.dtype == ffi::DataType::F32 ? 0 : p.page_size * p.head_dim),
         v(p.dtype == ffi::DataType::F32 ? 0 : p.page_size * p.head_dim),
         pos(kTileTokens),
@@ -163,7 +177,7 @@ struct Scratch {
 #ifdef __AVX512F__
 // Pages of 16 keys, AVX-512 (every SmolLM2/Llama-shaped step). A prefill tile's queries
 // go 16 at a time, a query a lane (AttendLanes); fewer (a decode's GQA group) up to 7 at a
-// time with the page's keys on the lanes (AttendPage, K transposed once a page), in the
+// time with the page's keys on the lanes (AttendPage, K as stored: a key a lane), in the
 // same arithmetic. Each V row is loaded (and widened from bf16) once for all the queries.
 // The first version of AttendPage (a query's 16 dot products as vectors of partial sums
 // over the head, added by a transposing tree; measured against the scalar-indexed loops
@@ -238,35 +252,6 @@ inline void AddValues(const Row* __restrict v, const float (*e)[16], const int64
     for (int64_t c = 0; c < C; ++c) _mm512_storeu_ps(acc + b * D + 16 * c, out[b][c]);
 }
 
-// The 16 rows of a page transposed into kt ([D][16] f32): a key a lane.
-template <typename Row, int64_t D>
-inline void TransposePage(const Row* __restrict k, float* __restrict kt) {
-  for (int64_t d0 = 0; d0 < D; d0 += 16) {
-    __m512 r[16], t[16];
-    for (int j = 0; j < 16; ++j) r[j] = LoadRow(k + j * D + d0);
-    for (int j = 0; j < 16; j += 2) {
-      t[j] = _mm512_unpacklo_ps(r[j], r[j + 1]);
-      t[j + 1] = _mm512_unpackhi_ps(r[j], r[j + 1]);
-    }
-    for (int g = 0; g < 16; g += 4) {
-      r[g] = _mm512_shuffle_ps(t[g], t[g + 2], 0x44);
-      r[g + 1] = _mm512_shuffle_ps(t[g], t[g + 2], 0xEE);
-      r[g + 2] = _mm512_shuffle_ps(t[g + 1], t[g + 3], 0x44);
-      r[g + 3] = _mm512_shuffle_ps(t[g + 1], t[g + 3], 0xEE);
-    }
-    for (int h = 0; h < 16; h += 8)
-      for (int i = 0; i < 4; ++i) {
-        t[h + i] = _mm512_shuffle_f32x4(r[h + i], r[h + i + 4], 0x88);
-        t[h + i + 4] = _mm512_shuffle_f32x4(r[h + i], r[h + i + 4], 0xDD);
-      }
-    for (int i = 0; i < 8; ++i) {  // r[i]: column d0 + i of the 16 rows
-      r[i] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0x88);
-      r[i + 8] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0xDD);
-    }
-    for (int i = 0; i < 16; ++i) _mm512_storeu_ps(kt + (d0 + i) * 16, r[i]);
-  }
-}
-
 // A page's 16 weights summed as AttendLanes sums its 16 vectors of weights: j + j+8,
 // then + 4, + 2, + 1.
 inline float SumTree(__m512 w) {
@@ -277,17 +262,17 @@ inline float SumTree(__m512 w) {
   return _mm_cvtss_f32(_mm_add_ss(x, _mm_movehdup_ps(x)));
 }
 
-// The 16 scores of NQ queries on a page (kt: its K transposed), each summed over the two
-// halves of the head as AttendLanes sums it; the queries side by side, so that their
-// chains of FMAs overlap (one query's two chains of D/2 left the FMA units waiting on
-// their latency: ~20 % of a decode's attention time).
-template <int64_t NQ, int64_t D>
-inline void Scores(const float* __restrict kt, const float* __restrict q, __m512* out) {
+// The 16 scores of NQ queries on a page (kt: its K, [D][16], a key a lane), each summed
+// over the two halves of the head as AttendLanes sums it; the queries side by side, so
+// that their chains of FMAs overlap (one query's two chains of D/2 left the FMA units
+// waiting on their latency: ~20 % of a decode's attention time).
+template <typename Row, int64_t NQ, int64_t D>
+inline void Scores(const Row* __restrict kt, const float* __restrict q, __m512* out) {
   constexpr int64_t Q = D / 2;
   __m512 half[NQ][2];
   for (int64_t i = 0; i < NQ; ++i) half[i][0] = half[i][1] = _mm512_setzero_ps();
   for (int64_t d = 0; d < Q; ++d) {
-    const __m512 k0 = _mm512_loadu_ps(kt + d * 16), k1 = _mm512_loadu_ps(kt + (Q + d) * 16);
+    const __m512 k0 = LoadRow(kt + d * 16), k1 = LoadRow(kt + (Q + d) * 16);
     for (int64_t i = 0; i < NQ; ++i) {
       half[i][0] = _mm512_fmadd_ps(_mm512_set1_ps(q[i * D + d]), k0, half[i][0]);
       half[i][1] = _mm512_fmadd_ps(_mm512_set1_ps(q[i * D + Q + d]), k1, half[i][1]);
@@ -296,13 +281,13 @@ inline void Scores(const float* __restrict kt, const float* __restrict q, __m512
   for (int64_t i = 0; i < NQ; ++i) out[i] = _mm512_add_ps(half[i][0], half[i][1]);
 }
 
-// A few queries on one page, its keys on the lanes (kt: the page's K transposed): the
+// A few queries on one page, its keys on the lanes (kt: the page's K, [D][16]): the
 // arithmetic of AttendLanes for each query, operation for operation, so that a token's
 // output never depends on how many others its tile holds, i.e. on how its prompt was
 // chunked (batch invariance). valid[qi]: the keys of this page query qi sees (0: none);
 // q is scaled already.
 template <typename Row, int64_t D>
-void AttendPage(const float* __restrict kt, const Row* __restrict v, int64_t n,
+void AttendPage(const Row* __restrict kt, const Row* __restrict v, int64_t n,
                 const float* __restrict q, const int64_t* valid, float* __restrict m,
                 float* __restrict l, float* __restrict acc) {
   static_assert(D % 16 == 0);
@@ -311,10 +296,10 @@ void AttendPage(const float* __restrict kt, const Row* __restrict v, int64_t n,
   __m512 sums[kPageQueries];
   for (int64_t q0 = 0; q0 < n; q0 += 4) {
     switch (std::min<int64_t>(4, n - q0)) {
-      case 4: Scores<4, D>(kt, q + q0 * D, sums + q0); break;
-      case 3: Scores<3, D>(kt, q + q0 * D, sums + q0); break;
-      case 2: Scores<2, D>(kt, q + q0 * D, sums + q0); break;
-      default: Scores<1, D>(kt, q + q0 * D, sums + q0);
+      case 4: Scores<Row, 4, D>(kt, q + q0 * D, sums + q0); break;
+      case 3: Scores<Row, 3, D>(kt, q + q0 * D, sums + q0); break;
+      case 2: Scores<Row, 2, D>(kt, q + q0 * D, sums + q0); break;
+      default: Scores<Row, 1, D>(kt, q + q0 * D, sums + q0);
     }
   }
   for (int64_t qi = 0; qi < n; ++qi) {
@@ -350,10 +335,10 @@ void AttendPage(const float* __restrict kt, const Row* __restrict v, int64_t n,
 // reduction or scalar exp, and the values add into the outputs transposed as well
 // (acc[d][lane]). AttendPage instead takes one query at a time: measured on a 256-token
 // prefill, its horizontal sums and per-query softmax cost ~3x the multiplies.
-// k and v: the page's 16 rows in f32; keys: how many of them any lane sees; pos: each
-// lane's position (-1: no query); m, l: each lane's running max and sum.
+// kt and v: the page's K ([D][16]) and V ([16][D]) in f32; keys: how many keys any lane
+// sees; pos: each lane's position (-1: no query); m, l: each lane's running max and sum.
 template <int64_t D>
-void AttendLanes(const float* __restrict k, const float* __restrict v, int64_t keys,
+void AttendLanes(const float* __restrict kt, const float* __restrict v, int64_t keys,
                  int64_t first_key, const float* __restrict qt, const int32_t* pos,
                  float* __restrict m, float* __restrict l, float* __restrict acc) {
   const __m512 neg_inf = _mm512_set1_ps(-INFINITY);
@@ -370,7 +355,7 @@ void AttendLanes(const float* __restrict k, const float* __restrict v, int64_t k
       for (int c = 0; c < 2; ++c) qd[c] = _mm512_loadu_ps(qt + (c * Q + d) * kLanes);
       for (int j = 0; j < 8; ++j)
         for (int c = 0; c < 2; ++c)
-          part[j][c] = _mm512_fmadd_ps(_mm512_set1_ps(k[(j0 + j) * D + c * Q + d]), qd[c],
+          part[j][c] = _mm512_fmadd_ps(_mm512_set1_ps(kt[(c * Q + d) * 16 + j0 + j]), qd[c],
                                        part[j][c]);
     }
     for (int j = 0; j < 8; ++j) s[j0 + j] = _mm512_add_ps(part[j][0], part[j][1]);
@@ -435,7 +420,6 @@ void RunItem(const Problem& p, const Item& it, Scratch& sc) {
   float* __restrict q = sc.q.data();
   float* __restrict acc = sc.acc.data();
   float* __restrict s = sc.s.data();  // [n, PS] one page's scores
-  float* __restrict kt = sc.kt.data();  // [D, PS] the page's K, transposed
   for (int64_t i = 0; i < tokens; ++i) {
     for (int64_t g = 0; g < group; ++g) {
       const float* src = p.q + ((it.begin + i) * H + it.kv_head * group + g) * D;
@@ -492,10 +476,9 @@ void RunItem(const Problem& p, const Item& it, Scratch& sc) {
         valid[qi] = std::clamp<int64_t>(sc.pos[qi / group] - first_key + 1, 0, PS);
     auto fast = [&](const auto* kr, const auto* vr) {
       using Row = std::remove_cv_t<std::remove_pointer_t<decltype(kr)>>;
-      TransposePage<Row, kHeadDim ? kHeadDim : 16>(kr, kt);
       for (int64_t q0 = 0; q0 < n; q0 += kPageQueries)
         AttendPage<Row, kHeadDim ? kHeadDim : 16>(
-            kt, vr, std::min(kPageQueries, n - q0), q + q0 * D, valid + q0, sc.m.data() + q0,
+            kr, vr, std::min(kPageQueries, n - q0), q + q0 * D, valid + q0, sc.m.data() + q0,
             sc.l.data() + q0, acc + q0 * D);
     };
     if constexpr (kFast && (std::is_same_v<Storage, F32> || std::is_same_v<Storage, Bf16>)) {
@@ -505,14 +488,14 @@ void RunItem(const Problem& p, const Item& it, Scratch& sc) {
       }
     }
 #endif
-    // only the keys that some query sees: the rest of the scratch keeps an earlier page's
-    // (or zeros), which the loops below mask out as they do an f32 page's stale slots
+    // the keys that some query sees; the rest of the page (stale slots, converted too) the
+    // loops below mask out as they do an f32 page's
     const int64_t keys = std::min(PS, last_pos - first_key + 1);
     if constexpr (!std::is_same_v<Storage, F32>) {
       const bool scaled = std::is_same_v<Storage, Int8>;  // else a dummy buffer
       const int64_t scales = (layer_offset + page) * PS;
-      Storage::Load(k_page, scaled ? p.k_scale + scales : nullptr, keys, D, sc.k.data());
-      Storage::Load(v_page, scaled ? p.v_scale + scales : nullptr, keys, D, sc.v.data());
+      Storage::Load(k_page, scaled ? p.k_scale + scales : nullptr, PS, D, true, sc.k.data());
+      Storage::Load(v_page, scaled ? p.v_scale + scales : nullptr, PS, D, false, sc.v.data());
     }
     const float* __restrict kp;
     const float* __restrict vp;
@@ -535,56 +518,30 @@ void RunItem(const Problem& p, const Item& it, Scratch& sc) {
       continue;
     }
 #endif
-    // With many queries on this page, transpose K once so that each query's scores are
-    // vector FMAs over the keys; a decode's few queries take dot products instead.
-    const bool transposed = n >= kTransposeQueries;
-    if (transposed)
-      for (int64_t j = 0; j < PS; ++j)
-        for (int64_t d = 0; d < D; ++d) kt[d * PS + j] = kp[j * D + d];
     for (int64_t qi = 0; qi < n; ++qi) {
       const int64_t pos = sc.pos[qi / group];
       if (pos < first_key) continue;
       const int64_t valid = std::min(PS, pos - first_key + 1);
       const float* __restrict qv = q + qi * D;
       float* __restrict sq = s + qi * PS;
-      if (transposed) {
-        // four partial sums over the head dimension, each a vector of the page's keys
-        float p0[kPageSize ? kPageSize : kMaxPageSize], p1[kPageSize ? kPageSize : kMaxPageSize];
-        float p2[kPageSize ? kPageSize : kMaxPageSize], p3[kPageSize ? kPageSize : kMaxPageSize];
-        for (int64_t j = 0; j < PS; ++j) p0[j] = p1[j] = p2[j] = p3[j] = 0.0f;
-        for (int64_t d = 0; d < D; d += 4) {
-          const float x0 = qv[d], x1 = qv[d + 1], x2 = qv[d + 2], x3 = qv[d + 3];
-          const float* __restrict c = kt + d * PS;
+      // four partial sums over the head dimension, each a vector of the page's keys
+      float p0[kPageSize ? kPageSize : kMaxPageSize], p1[kPageSize ? kPageSize : kMaxPageSize];
+      float p2[kPageSize ? kPageSize : kMaxPageSize], p3[kPageSize ? kPageSize : kMaxPageSize];
+      for (int64_t j = 0; j < PS; ++j) p0[j] = p1[j] = p2[j] = p3[j] = 0.0f;
+      for (int64_t d = 0; d < D; d += 4) {
+        const float x0 = qv[d], x1 = qv[d + 1], x2 = qv[d + 2], x3 = qv[d + 3];
+        const float* __restrict c = kp + d * PS;
 #pragma omp simd
-          for (int64_t j = 0; j < PS; ++j) {
-            p0[j] += x0 * c[j];
-            p1[j] += x1 * c[PS + j];
-            p2[j] += x2 * c[2 * PS + j];
-            p3[j] += x3 * c[3 * PS + j];
-          }
-        }
-#pragma omp simd
-        for (int64_t j = 0; j < PS; ++j)
-          sq[j] = j < valid ? (p0[j] + p1[j]) + (p2[j] + p3[j]) : -INFINITY;
-      } else {
-        // four keys at a time: four independent sums keep the FMA units busy
-        for (int64_t j = 0; j < PS; j += 4) {
-          const float* __restrict k0 = kp + j * D;
-          float d0 = 0.0f, d1 = 0.0f, d2 = 0.0f, d3 = 0.0f;
-#pragma omp simd reduction(+ : d0, d1, d2, d3)
-          for (int64_t d = 0; d < D; ++d) {
-            const float x = qv[d];
-            d0 += x * k0[d];
-            d1 += x * k0[D + d];
-            d2 += x * k0[2 * D + d];
-            d3 += x * k0[3 * D + d];
-          }
-          sq[j] = j < valid ? d0 : -INFINITY;
-          sq[j + 1] = j + 1 < valid ? d1 : -INFINITY;
-          sq[j + 2] = j + 2 < valid ? d2 : -INFINITY;
-          sq[j + 3] = j + 3 < valid ? d3 : -INFINITY;
+        for (int64_t j = 0; j < PS; ++j) {
+          p0[j] += x0 * c[j];
+          p1[j] += x1 * c[PS + j];
+          p2[j] += x2 * c[2 * PS + j];
+          p3[j] += x3 * c[3 * PS + j];
         }
       }
+#pragma omp simd
+      for (int64_t j = 0; j < PS; ++j)
+        sq[j] = j < valid ? (p0[j] + p1[j]) + (p2[j] + p3[j]) : -INFINITY;
       float block_max = -INFINITY;
 #pragma omp simd reduction(max : block_max)
       for (int64_t j = 0; j < PS; ++j) block_max = std::max(block_max, sq[j]);
@@ -653,11 +610,15 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::An
                           ffi::Buffer<ffi::S32> kv_lens, ffi::Buffer<ffi::S32> page_table,
                           ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> out,
                           float scale) {
-  const auto qd = q.dimensions(), kd = k.dimensions(), pd = page_table.dimensions();
-  if (qd.size() != 3 || kd.size() != 5 || pd.size() != 2)
+  // vd: [layers, kv_heads, pages, page_size, head_dim]; K has the last two swapped
+  const auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions(),
+             pd = page_table.dimensions();
+  if (qd.size() != 3 || kd.size() != 5 || vd.size() != 5 || pd.size() != 2)
     return ffi::Error::InvalidArgument("paged_attention: q must be 3-D, k/v 5-D, page_table 2-D");
-  if (v.element_type() != k.element_type() || !(v.dimensions() == kd))
-    return ffi::Error::InvalidArgument("paged_attention: k and v differ in dtype or shape");
+  if (v.element_type() != k.element_type() || !(kd.first(3) == vd.first(3)) ||
+      kd[3] != vd[4] || kd[4] != vd[3])
+    return ffi::Error::InvalidArgument(
+        "paged_attention: k must be v's dtype, shaped [L, H, P, head_dim, page_size]");
   // the engine keeps bf16 and fp8 pools as their bits (u16, u8: see kv_cache.py)
   ffi::DataType dtype = k.element_type();
   if (dtype == ffi::DataType::U16) dtype = ffi::DataType::BF16;
@@ -668,15 +629,15 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::An
         "paged_attention: k/v must be f32, bf16 (or its u16 bits), s8 or f8e4m3fn (or its u8 "
         "bits)");
   if (dtype == ffi::DataType::S8 &&
-      !(k_scale.dimensions() == kd.first(4) && v_scale.dimensions() == kd.first(4)))
+      !(k_scale.dimensions() == vd.first(4) && v_scale.dimensions() == vd.first(4)))
     return ffi::Error::InvalidArgument("paged_attention: s8 k/v need scales shaped [L, H, P, S]");
   Problem p{q.typed_data(), k.untyped_data(), v.untyped_data(), k_scale.typed_data(),
             v_scale.typed_data(), dtype, cu_q_lens.typed_data(), kv_lens.typed_data(),
-            page_table.typed_data(), out->typed_data(), qd[1], qd[2], kd[1], kd[2], kd[3],
+            page_table.typed_data(), out->typed_data(), qd[1], qd[2], vd[1], vd[2], vd[3],
             pd[1], layer.typed_data()[0], scale};
   const int64_t num_tokens = qd[0], num_rows = pd[0];
   if (p.page_size > kMaxPageSize || p.page_size % 4 || p.head_dim % 4 ||
-      p.num_heads % p.num_kv_heads || kd[4] != p.head_dim)
+      p.num_heads % p.num_kv_heads || vd[4] != p.head_dim)
     return ffi::Error::InvalidArgument("paged_attention: unsupported shapes");
   if (p.layer < 0 || p.layer >= kd[0])
     return ffi::Error::InvalidArgument("paged_attention: layer out of range");

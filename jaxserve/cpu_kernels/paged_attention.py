@@ -3,7 +3,10 @@
 The same arguments and results as the Pallas `ragged_paged_attention`, so the attention
 entry point swaps one for the other by platform; `ragged_paged_attention_reference_lens`
 is its reference in the tests. K and V are read page by page with an online softmax, so
-each byte of the pool that a row can see is read once a step. q and the output are f32;
+each byte of the pool that a row can see is read once a step. The kernel reads K
+transposed, each page [head_dim, page_size] (kv_cache.py's `k_transposed`, as the engine
+keeps it on this backend); a K pool in the Pallas layout is transposed here first, a copy
+of the whole pool (tests, one-off calls). q and the output are f32;
 the pool is f32 (read in place), or bf16, int8 (with its f32 scales) or fp8 e4m3fn
 (kv_cache.py's storages), which the kernel dequantizes a page at a time into f32 scratch
 so that one body of attention loops serves every storage.
@@ -61,10 +64,18 @@ def cpu_paged_attention(
     scale: float,
     k_scale: jax.Array | None = None,  # int8 pools only: f32, the pool's shape less head_dim
     v_scale: jax.Array | None = None,
+    k_transposed: bool = False,  # k_pages' pages are [head_dim, page_size]
 ) -> jax.Array:  # f32[num_tokens, num_heads, head_dim]; zeros for padding tokens
     """Causal attention of a flat batch of prefill chunks and decodes over paged K/V."""
-    paged.check_pool(q, k_pages, v_pages)
-    scales = paged.scale_operands(k_pages, k_scale, v_scale)
+    if k_transposed:
+        if k_pages.ndim < 2:
+            raise ValueError(f"k_pages must be 4-D or 5-D, got shape {k_pages.shape}")
+        as_pallas = (*k_pages.shape[:-2], k_pages.shape[-1], k_pages.shape[-2])
+        paged.check_pool(q, jax.ShapeDtypeStruct(as_pallas, k_pages.dtype), v_pages)
+    else:
+        paged.check_pool(q, k_pages, v_pages)
+        k_pages = jnp.swapaxes(k_pages, -1, -2)
+    scales = paged.scale_operands(v_pages, k_scale, v_scale)  # V: the Pallas layout
     if q.dtype != jnp.float32:
         raise ValueError(f"the CPU kernel takes f32 q only, got {q.dtype}")
     if k_pages.dtype not in STORAGES:
@@ -75,7 +86,7 @@ def cpu_paged_attention(
     # the kernel always takes scales; it reads them for int8 only
     k_scale, v_scale = scales or [jnp.zeros((1,), jnp.float32)] * 2
     num_tokens = q.shape[0]
-    page_size, head_dim = k_pages.shape[3:]
+    page_size, head_dim = v_pages.shape[3:]
     if not fits(page_size, head_dim):
         raise ValueError(
             f"the CPU kernel takes page sizes of 4 to {MAX_PAGE_SIZE} and head sizes that are "

@@ -118,6 +118,8 @@ def _attend(
 ) -> jax.Array:
     """`paged_attention` over the stored (calibrated) values, on the metadata's backend."""
     scales = {"k_scale": kv_cache.k_scale, "v_scale": kv_cache.v_scale}
+    if kv_cache.k_transposed and metadata.backend != "cpu":
+        raise ValueError(f"a transposed K pool is the cpu backend's, not {metadata.backend}'s")
     if metadata.backend == "xla":
         return blocked_paged_attention(
             q, kv_cache.k, kv_cache.v, layer, metadata.seq_ids, positions, metadata.page_table,
@@ -125,7 +127,8 @@ def _attend(
         )
     if metadata.backend == "cpu" or metadata.backend.startswith("pallas"):
         if metadata.backend == "cpu":
-            kernel = functools.partial(cpu_paged_attention, scale=scale)
+            kernel = functools.partial(cpu_paged_attention, scale=scale,
+                                       k_transposed=kv_cache.k_transposed)
         else:
             kernel = functools.partial(
                 ragged_paged_attention, scale=scale,

@@ -3,7 +3,10 @@
 Head-major layout, [layer, kv_head, page, slot, head_dim]: one head's page is a
 contiguous [page_size, head_dim] tile, which is what an attention kernel loads,
 and KV heads are the axis that tensor parallelism shards (where tp divides them;
-the pool is replicated otherwise, see sharding.py).
+the pool is replicated otherwise, see sharding.py). For the C++ CPU kernel K is kept
+transposed (`k_transposed`): [layer, kv_head, page, head_dim, slot], so a decode's few
+queries read a page's keys on a vector's lanes as it is stored, instead of transposing
+every page they read (cpu_kernels/paged_attention.cc).
 
 Page 0 is a reserved null page: padding rows point at it and write into it, so
 no real page is ever touched by padding.
@@ -23,7 +26,7 @@ ignores. Every attention backend dequantizes with `dequantize`.
 """
 
 import argparse
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import jax
@@ -58,10 +61,12 @@ class KVCache:
     v_center: jax.Array | None = None
     k_channel_scale: jax.Array | None = None
     v_channel_scale: jax.Array | None = None
+    # k is [num_layers, num_kv_heads, num_pages, head_dim, page_size] (the CPU kernel's)
+    k_transposed: bool = field(default=False, metadata={"static": True})
 
     @property
     def page_size(self) -> int:
-        return self.k.shape[3]
+        return self.v.shape[3]
 
     @property
     def num_pages(self) -> int:
@@ -84,12 +89,14 @@ def init_kv_cache(
     sharding: jax.sharding.Sharding | None = None,
     scale_sharding: jax.sharding.Sharding | None = None,
     calibration_sharding: jax.sharding.Sharding | None = None,
+    k_transposed: bool = False,
 ) -> KVCache:
     """Allocate a zeroed pool for values of `dtype` (a KV_STORAGE dtype; bf16 and fp8 as
     their bits); `num_pages` counts the null page. With a `sharding` (and `scale_sharding`
     and `calibration_sharding` for the scales and the calibration), each device allocates
-    only its own shard."""
+    only its own shard. `k_transposed`: K's pages [head_dim, page_size] (the CPU kernel's)."""
     shape = (num_layers, num_kv_heads, num_pages, page_size, head_dim)
+    k_shape = (*shape[:3], head_dim, page_size) if k_transposed else shape
     pool = BITS.get(jnp.dtype(dtype), jnp.dtype(dtype))
     name = storage_name(dtype)
     scales, calibration = [None, None], [None] * 4
@@ -100,8 +107,8 @@ def init_kv_cache(
         calibration = [jnp.full(channels, fill, jnp.float32, device=calibration_sharding)
                        for fill in (0.0, 0.0, 1.0, 1.0)]
     return KVCache(
-        jnp.zeros(shape, pool, device=sharding), jnp.zeros(shape, pool, device=sharding),
-        *scales, *calibration,
+        jnp.zeros(k_shape, pool, device=sharding), jnp.zeros(shape, pool, device=sharding),
+        *scales, *calibration, k_transposed=k_transposed,
     )
 
 
@@ -144,9 +151,13 @@ def write_kv(
         # the advanced indices (layer, pages, offsets) around the head slice put tokens first
         return None if pool is None else pool.at[layer, :, pages, offsets].set(new)
 
-    return KVCache(scatter(cache.k, k), scatter(cache.v, v),
+    # a transposed K: the advanced indices around the head and head_dim slices, tokens first
+    k_pool = (cache.k.at[layer, :, pages, :, offsets].set(k) if cache.k_transposed
+              else scatter(cache.k, k))
+    return KVCache(k_pool, scatter(cache.v, v),
                    scatter(cache.k_scale, k_scale), scatter(cache.v_scale, v_scale),
-                   cache.k_center, cache.v_center, cache.k_channel_scale, cache.v_channel_scale)
+                   cache.k_center, cache.v_center, cache.k_channel_scale, cache.v_channel_scale,
+                   cache.k_transposed)
 
 
 def calibration_text() -> str:

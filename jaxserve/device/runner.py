@@ -146,9 +146,10 @@ class ModelRunner:
         self.num_shards = 1 if mesh is None else mesh.shape[DATA]
         pool = num_pages * self.num_shards
         kv_shape = (cfg.num_layers, cfg.num_kv_heads, pool, page_size, cfg.head_dim)
+        k_transposed = self.backend == "cpu"  # the C++ kernel reads K so (kv_cache.py)
         self.layout = None if mesh is None else Layout.build(
             mesh, self.state, kv_shape, param_axes(cfg), self.kv_dtype in SCALED,
-            self.kv_dtype in CALIBRATED,
+            self.kv_dtype in CALIBRATED, k_transposed,
         )
         self.kv_cache = init_kv_cache(
             cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, pool, page_size,
@@ -156,6 +157,7 @@ class ModelRunner:
             *((None, None, None) if self.layout is None else
               (self.layout.kv_cache.k, self.layout.kv_cache.k_scale,
                self.layout.kv_cache.k_center)),
+            k_transposed=k_transposed,
         )
         self.spare_row = num_rows  # each shard's last penalty row
         self.penalties = init_penalty_state(
@@ -447,16 +449,19 @@ class ModelRunner:
 @functools.partial(jax.jit, static_argnums=2)
 def _stats(cache: KVCache, pages: jax.Array, num_tokens: int) -> tuple:
     """`ModelRunner.kv_stats` of the first `num_tokens` K and V stored in `pages`."""
-    def stats(pool, scale, center, channel_scale) -> tuple:
-        stored = dequantize(pool[:, :, pages], None if scale is None else scale[:, :, pages],
-                            jnp.float32)
+    def stats(pool, scale, center, channel_scale, transposed=False) -> tuple:
+        pool = pool[:, :, pages]
+        if transposed:  # [.., head_dim, page_size] pages
+            pool = jnp.swapaxes(pool, -1, -2)
+        stored = dequantize(pool, None if scale is None else scale[:, :, pages], jnp.float32)
         stored = stored.reshape(*stored.shape[:2], -1, stored.shape[-1])[:, :, :num_tokens]
         x = stored if center is None else stored * channel_scale[:, :, None] + center[:, :, None]
         mean = x.mean(2)
         clipped = center is not None and jnp.any(jnp.abs(stored) >= FP8_MAX)
         return (mean, jnp.abs(x - mean[:, :, None]).max(2)), clipped
 
-    k, k_clipped = stats(cache.k, cache.k_scale, cache.k_center, cache.k_channel_scale)
+    k, k_clipped = stats(cache.k, cache.k_scale, cache.k_center, cache.k_channel_scale,
+                         cache.k_transposed)
     v, v_clipped = stats(cache.v, cache.v_scale, cache.v_center, cache.v_channel_scale)
     return k, v, jnp.logical_or(k_clipped, v_clipped)
 

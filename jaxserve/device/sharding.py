@@ -158,10 +158,12 @@ class Layout:
     def build(
         mesh: Mesh, state: nnx.State, kv_shape: Sequence[int],
         axes: Mapping[str, Sequence[str | None]], scaled: bool = False,
-        calibrated: bool = False,
+        calibrated: bool = False, k_transposed: bool = False,
     ) -> "Layout":
         """`scaled`: the pool keeps a scale per token and head (kv_cache.SCALED);
-        `calibrated`: a center and scale per layer, head and channel (kv_cache.CALIBRATED)."""
+        `calibrated`: a center and scale per layer, head and channel (kv_cache.CALIBRATED);
+        `k_transposed`: K's pages are [head_dim, page_size] (only the first three axes
+        are ever split, so K and V share a sharding)."""
         kv = kv_sharding(mesh, kv_shape)
         scale = NamedSharding(mesh, partition_spec(KV_AXES[:-1], kv_shape[:-1], mesh))
         channel_axes = KV_AXES[:2] + KV_AXES[-1:]  # [layer, kv_head, head_dim]
@@ -169,7 +171,7 @@ class Layout:
             channel_axes, [kv_shape[KV_AXES.index(a)] for a in channel_axes], mesh))
         scales = (scale, scale) if scaled else (None, None)
         calibration = (channels,) * 4 if calibrated else (None,) * 4
-        kv_cache = KVCache(kv, kv, *scales, *calibration)
+        kv_cache = KVCache(kv, kv, *scales, *calibration, k_transposed=k_transposed)
         data = NamedSharding(mesh, PartitionSpec(DATA))
         return Layout(mesh, state_shardings(mesh, state, axes), kv_cache, replicated(mesh), data)
 

@@ -245,7 +245,7 @@ def _per_data_shard(
     c = layout.kv_cache
     kv = KVCache(*(None if x is None else spec for x, spec in zip(
         (c.k, c.v, c.k_scale, c.v_scale, c.k_center, c.v_center, c.k_channel_scale,
-         c.v_channel_scale), [_KV] * 4 + [PartitionSpec()] * 4)))
+         c.v_channel_scale), [_KV] * 4 + [PartitionSpec()] * 4)), k_transposed=c.k_transposed)
     return jax.shard_map(
         fn,
         mesh=layout.mesh,
