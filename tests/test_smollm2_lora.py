@@ -77,7 +77,7 @@ def test_adapter_logits_match_peft(llm, references, name):
     ids = llm.tokenizer.encode(PROMPTS[2])
     inputs = pack_step([Chunk(ids, 0, [1, 2], adapter_slot=1)], runner.page_size, 16, 1, 2,
                        runner.spare_row)
-    meta = dataclasses.replace(inputs.metadata,
+    meta = dataclasses.replace(inputs.metadata, backend=runner.backend,  # the pool's
                                logits_indices=np.arange(len(ids), dtype=np.int32))
     logits, runner.kv_cache = forward(
         runner.graphdef, runner.state, runner.kv_cache, inputs.token_ids, inputs.positions, meta,

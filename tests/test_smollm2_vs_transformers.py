@@ -41,7 +41,8 @@ def test_prompt_logits_match(llm, hf_model):
     ids = llm.tokenizer.encode(PROMPTS[2])
     inputs = pack_step([Chunk(ids, 0, [1, 2])], runner.page_size, 16, 1, 2, runner.spare_row)
     every_token = np.arange(len(ids), dtype=np.int32)
-    meta = dataclasses.replace(inputs.metadata, logits_indices=every_token)
+    meta = dataclasses.replace(inputs.metadata, logits_indices=every_token,
+                               backend=runner.backend)  # the pool is laid out for it
     logits, runner.kv_cache = forward(
         runner.graphdef, runner.state, runner.kv_cache, inputs.token_ids, inputs.positions, meta
     )
