@@ -108,19 +108,15 @@ class LLM:
             source = None
             if cfg.weight_dtype == "auto" and self.model_path.suffix == ".gguf":
                 source = open_checkpoint(self.model_path)
-            if passes == 0 and not (source is not None and linear.int8_available()
-                                    and self.linear_backend == linear.Q4_1_BACKEND):
-                raise ValueError(
-                    "--linear-activations int8 multiplies a GGUF file's Q4_1 projections "
-                    f"(--weight-dtype auto) on {linear.Q4_1_BACKEND} with "
-                    f"{', '.join(linear.INT8_FLAGS)}; this model or CPU has none of that")
             module = pack_projections(module, self.linear_backend, passes, source)
             stored = "q4_1" if any(
                 isinstance(w, PackedWeight) and w.values.dtype == jnp.uint8
                 for w in jax.tree.leaves(nnx.state(module), is_leaf=is_packed)) else "bfloat16"
-            if passes == 0 and stored != "q4_1":
-                raise ValueError("--linear-activations int8: the file stores no projection "
-                                 "as Q4_1")
+            if passes == 0 and not (stored == "q4_1" and linear.int8_available()):
+                raise ValueError(
+                    "--linear-activations int8 multiplies a GGUF file's Q4_1 projections "
+                    f"(--weight-dtype auto) on {linear.Q4_1_BACKEND} with "
+                    f"{', '.join(linear.INT8_FLAGS)}; this model or CPU has none of that")
         self.weight_dtype = stored
         # auto: pages in the serving dtype (f16 only there: --dtype float16), or in bf16
         # where every projection already rounds its input to bf16 (a kernel, one pass): a

@@ -342,10 +342,6 @@ AVX512_BF16 void Q41Columns(const Problem& p, const uint8_t* w, int64_t b0, int6
 // does 32.
 #define AVX512_VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx512vbmi")))
 
-#ifndef Q8R
-#define Q8R 2
-#define Q8C 4
-#endif
 struct Int8Rows {
   const int8_t* q;  // [rows, k_blocks * 32]: each 8 inputs' even ones, then their odd ones
   const float* d;   // [rows, k_blocks]
@@ -498,31 +494,29 @@ ffi::Error Linear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<kWe
     return ffi::Error::Internal("amx linear: the kernel refused AMX's tile state");
   if (m == 0) return ffi::Error::Success();
   const int64_t m_blocks = (m + kRows - 1) / kRows, depth = k_blocks * kDepth;
-  if constexpr (kQ41) {
-    if (passes == 0) {
-      const int64_t m_pad = (m + kVecRows - 1) / kVecRows * kVecRows;
-      std::vector<int8_t> q(m_pad * depth, 0);
-      std::vector<float> d(m_pad * k_blocks, 0.0f), s(m_pad * k_blocks, 0.0f);
-      QuantizeRows(x.typed_data(), m, k, k_blocks, q.data(), d.data(), s.data());
-      const Int8Rows rows{q.data(), d.data(), s.data(), k_blocks};
-      const uint8_t* w8 = w.typed_data() + l * n_blocks * k_blocks * kQ4Tile;
-      const Problem p{nullptr, nullptr, nullptr, y->typed_data(), m, n_blocks * kCols, m_blocks,
-                      n_blocks, k_blocks};
-      const int64_t items = (n_blocks + kVecBlocks - 1) / kVecBlocks;
-      jaxserve::RunOnPool(pool, items, [p, rows, w8](std::atomic<int64_t>& next, int64_t total) {
-        int64_t finished = 0;
-        for (int64_t i = next.fetch_add(1); i < total; i = next.fetch_add(1), ++finished) {
-          const int64_t b0 = i * kVecBlocks, b1 = std::min(p.n_blocks, b0 + kVecBlocks);
-          Int8Columns(p, rows, w8, b0, b1);
-        }
-        return finished;
-      });
-      return ffi::Error::Success();
+  // x as the kernels take it: int8 blocks (passes 0, Q4_1 only), or bf16 (hi, and lo)
+  std::vector<uint16_t> hi, lo;
+  std::vector<int8_t> q8;
+  std::vector<float> d8, s8;
+  Int8Rows int8{};
+  uint16_t* x_lo = nullptr;
+  if (passes == 0) {
+    if constexpr (kQ41) {
+      const int64_t m_pad = (m + kVecRows - 1) / kVecRows * kVecRows;  // whole row blocks
+      q8.assign(m_pad * depth, 0);
+      d8.assign(m_pad * k_blocks, 0.0f);
+      s8.assign(m_pad * k_blocks, 0.0f);
+      QuantizeRows(x.typed_data(), m, k, k_blocks, q8.data(), d8.data(), s8.data());
+      int8 = {q8.data(), d8.data(), s8.data(), k_blocks};
     }
+  } else {
+    hi.assign(m_blocks * kRows * depth, 0);
+    if (passes == 2) {
+      lo.assign(hi.size(), 0);
+      x_lo = lo.data();
+    }
+    Split(x.typed_data(), m, k, depth, hi.data(), x_lo);
   }
-  std::vector<uint16_t> hi(m_blocks * kRows * depth, 0), lo(passes == 2 ? hi.size() : 0, 0);
-  uint16_t* x_lo = passes == 2 ? lo.data() : nullptr;
-  Split(x.typed_data(), m, k, depth, hi.data(), x_lo);
   const uint16_t* w16 = nullptr;  // a bf16 weight's layer, or a Q4_1 one's
   const uint8_t* w8 = nullptr;
   if constexpr (kQ41) w8 = w.typed_data() + l * n_blocks * k_blocks * kQ4Tile;
@@ -537,13 +531,14 @@ ffi::Error Linear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<kWe
     });
   } else {
     const int64_t items = (n_blocks + kVecBlocks - 1) / kVecBlocks;
-    jaxserve::RunOnPool(pool, items, [p, w8](std::atomic<int64_t>& next, int64_t total) {
+    jaxserve::RunOnPool(pool, items, [p, w8, int8](std::atomic<int64_t>& next, int64_t total) {
       int64_t finished = 0;
       for (int64_t i = next.fetch_add(1); i < total; i = next.fetch_add(1), ++finished) {
         const int64_t b0 = i * kVecBlocks, b1 = std::min(p.n_blocks, b0 + kVecBlocks);
         const bool stream = p.m > kVecRows && p.m <= kStreamRows;
         if constexpr (kQ41) {
-          if (p.x_lo) Q41Columns<true>(p, w8, b0, b1);
+          if (int8.q) Int8Columns(p, int8, w8, b0, b1);
+          else if (p.x_lo) Q41Columns<true>(p, w8, b0, b1);
           else Q41Columns<false>(p, w8, b0, b1);
         } else if (stream && p.x_lo) StreamColumns<true>(p, b0, b1);
         else if (stream) StreamColumns<false>(p, b0, b1);

@@ -84,6 +84,7 @@ def available(backend: str) -> bool:
     return True
 
 
+@functools.cache
 def int8_available() -> bool:
     """Q4_1 weights can take int8 activations (`passes` 0) on this CPU."""
     flags = cpu_flags().split()
