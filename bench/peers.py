@@ -82,7 +82,7 @@ PEERS = ("jaxserve", "jaxserve-f32", "jaxserve-int8", "vllm", "vllm-default", "l
          "llamacpp", "transformers")
 HOW = {
     "jaxserve": "jaxserve serve at its defaults (bf16 projections on AMX or AVX512-BF16 where "
-                "the CPU has it, a GGUF file's Q4_1 ones kept as Q4_1 on AVX512-BF16, else "
+                "the CPU has it, a GGUF file's Q4_1 ones kept as Q4_1 there, else "
                 "f32) over HTTP",
     "jaxserve-f32": "jaxserve serve --weight-dtype f32 (token-identical to transformers) over HTTP",
     "jaxserve-int8": "jaxserve serve --linear-activations int8 (opt-in: the Q4_1 projections "

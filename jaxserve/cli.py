@@ -201,8 +201,8 @@ def _engine_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--weight-dtype", default=DEFAULTS["weight_dtype"],
                        choices=WEIGHT_DTYPES, help=WEIGHT_DTYPE_HELP + ", except bf16 on a "
                        "CPU kernel (--linear-backend: Intel AMX, AVX512-BF16) where the CPU has "
-                       "one and --dtype is float32, and on AVX512-BF16 a GGUF file's Q4_1 "
-                       "projections kept as they are (the same results as bf16)")
+                       "one and --dtype is float32, and there a GGUF file's Q4_1 projections "
+                       "kept as they are (the same results as bf16)")
     group.add_argument(
         "--kv-dtype", default=DEFAULTS["kv_dtype"], choices=KV_DTYPES,
         help="how KV pages are stored; auto: in --dtype, or bf16 where the projections "

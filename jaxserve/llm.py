@@ -115,8 +115,8 @@ class LLM:
             if passes == 0 and not (stored == "q4_1" and linear.int8_available()):
                 raise ValueError(
                     "--linear-activations int8 multiplies a GGUF file's Q4_1 projections "
-                    f"(--weight-dtype auto) on {linear.Q4_1_BACKEND} with "
-                    f"{', '.join(linear.INT8_FLAGS)}; this model or CPU has none of that")
+                    f"(--weight-dtype auto) with {', '.join(linear.INT8_FLAGS)}; this model or "
+                    "CPU has none of that")
         self.weight_dtype = stored
         # auto: pages in the serving dtype (f16 only there: --dtype float16), or in bf16
         # where every projection already rounds its input to bf16 (a kernel, one pass): a

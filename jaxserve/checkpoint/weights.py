@@ -26,7 +26,7 @@ from jaxserve.checkpoint.model_config import (
     read_hf_config,
 )
 from jaxserve.config import ModelConfig
-from jaxserve.cpu_kernels.linear import Q4_1_BACKEND, fits, pack, pack_q4_1
+from jaxserve.cpu_kernels.linear import Q4_1_KERNELS, fits, pack, pack_q4_1
 from jaxserve.device.adapters import GROUPS
 from jaxserve.device.sharding import map_params, param_sharding
 from jaxserve.models import ModelSpec, WeightRule, get_model_spec, param_axes
@@ -265,7 +265,7 @@ def pack_projections(model: nnx.Module, backend: str, passes: int,
     the same results from 0.31x the bytes)."""
     graphdef, state = nnx.split(model)
     rules = get_model_spec(model.config.architecture).weight_map(model.config)
-    keep_q4_1 = source is not None and backend == Q4_1_BACKEND
+    keep_q4_1 = source is not None and backend in Q4_1_KERNELS
     bf16_passes = max(passes, 1)  # int8 activations (0) are for Q4_1 weights; bf16 take bf16
 
     def packed(name: str, value):

@@ -20,6 +20,12 @@
 // streams, where the second product costs no extra weight traffic; a prefill is bound by
 // the multiplies, where it doubles them (a 256-token SmolLM2 step on a Zen 5: 124 ms with
 // one pass, 197 with two).
+//
+// On AMX, x is laid out as A tiles (each 1 KiB in a row) in line-aligned buffers, and two
+// row blocks by two column blocks accumulate at a time where a prefill has them (each tile
+// loaded feeds two multiplies). Measured on a Sapphire Rapids (2 cores): a tdpbf16ps fed
+// from L1 takes ~6.5 ns, from L2 (a prefill's x and weights) ~15-18 ns; the rows that
+// straddled two cache lines (a std::vector's 16-byte alignment) took ~1.4x as long.
 
 #include <immintrin.h>
 #include <sys/syscall.h>
@@ -30,6 +36,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <new>
 #include <vector>
 
 #include "work_queue.h"
@@ -60,6 +67,24 @@ constexpr int64_t kVecBlocks = 4;
 constexpr int64_t kStreamRows = 32;
 constexpr int64_t kAhead = 2;
 
+// Buffers on a cache line's boundary: AMX loads a tile a 64-byte row at a time, and rows
+// that straddle two lines took ~1.4x as long (a 256-row prefill's gate/up, Sapphire Rapids).
+template <typename T>
+struct LineAligned {
+  using value_type = T;
+  LineAligned() = default;
+  template <typename U>
+  LineAligned(const LineAligned<U>&) {}
+  T* allocate(size_t n) {
+    return static_cast<T*>(::operator new(n * sizeof(T), std::align_val_t{64}));
+  }
+  void deallocate(T* p, size_t) { ::operator delete(p, std::align_val_t{64}); }
+  template <typename U>
+  bool operator==(const LineAligned<U>&) const { return true; }
+};
+template <typename T>
+using AlignedVector = std::vector<T, LineAligned<T>>;
+
 struct TileConfig {
   uint8_t palette_id = 1;
   uint8_t start_row = 0;
@@ -76,10 +101,10 @@ bool RequestAmx() {
   return granted;
 }
 
-// Tiles: 0, 1 accumulate two column blocks; 2, 3 hold x's hi and lo; 4, 5 the weights.
+// Tiles: 0-3 accumulate; then x's and the weights' tiles (Columns says which is which).
 AMX void ConfigureTiles() {
   TileConfig config;
-  for (int t = 0; t < 6; ++t) {
+  for (int t = 0; t < 8; ++t) {
     config.rows[t] = kRows;
     config.colsb[t] = 64;
   }
@@ -87,87 +112,109 @@ AMX void ConfigureTiles() {
 }
 
 // x [m, k] into bf16 hi and (unless `lo` is null) lo = bf16(x - hi), rows of `depth` (k
-// rounded up to 32) whose padding, like the rows past m, the caller has zeroed.
-AVX512_BF16 void Split(const float* x, int64_t m, int64_t k, int64_t depth, uint16_t* hi,
-                       uint16_t* lo) {
+// rounded up to 32) whose padding, like the rows past m, the caller has zeroed; `tiled`
+// lays them out as AMX's A tiles ([m/16, depth/32, 16, 32]: a tile loads 1 KiB in a row),
+// else row-major [m, depth].
+AVX512_BF16 void Split(const float* x, int64_t m, int64_t k, int64_t depth, bool tiled,
+                       uint16_t* hi, uint16_t* lo) {
+  const int64_t k_blocks = depth / kDepth;
   for (int64_t r = 0; r < m; ++r)
     for (int64_t c = 0; c < k; c += 16) {
+      const int64_t at = tiled ? ((r / kRows * k_blocks + c / kDepth) * kRows + r % kRows) *
+                                         kDepth + c % kDepth
+                               : r * depth + c;
       const __mmask16 live = k - c >= 16 ? 0xffff : (1u << (k - c)) - 1;
       const __m512 v = _mm512_maskz_loadu_ps(live, x + r * k + c);
       const __m256bh h = _mm512_cvtneps_pbh(v);
       const __m512 back = _mm512_castsi512_ps(
           _mm512_slli_epi32(_mm512_cvtepu16_epi32(reinterpret_cast<__m256i>(h)), 16));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(hi + r * depth + c),
-                          reinterpret_cast<__m256i>(h));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(hi + at), reinterpret_cast<__m256i>(h));
       if (lo == nullptr) continue;
       const __m256bh l = _mm512_cvtneps_pbh(_mm512_sub_ps(v, back));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(lo + r * depth + c),
-                          reinterpret_cast<__m256i>(l));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(lo + at), reinterpret_cast<__m256i>(l));
     }
 }
 
 struct Problem {
-  const uint16_t* x_hi;  // [m_blocks * 16, k_blocks * 32], zero-padded
+  const uint16_t* x_hi;  // zero-padded [m_blocks * 16, k_blocks * 32] (AMX: as A tiles)
   const uint16_t* x_lo;  // null: one pass, x rounded to bf16
   const uint16_t* w;     // this layer's [n_blocks, k_blocks, 16, 32]
   float* y;              // [m, n]
   int64_t m, n, m_blocks, n_blocks, k_blocks;
 };
 
-// Output columns [16 * b0, 16 * b1) for every row.
+// Accumulator tile T into output rows [0, rows) at `out` (row stride n floats); a partial
+// last row block lands in a spill buffer first. (A macro: a tile is named by an immediate.)
+#define STORE_TILE(T, out, rows, n)                                              \
+  do {                                                                           \
+    if ((rows) == kRows) {                                                       \
+      _tile_stored(T, out, (n) * sizeof(float));                                 \
+    } else {                                                                     \
+      alignas(64) float spill[kRows * kCols];                                    \
+      _tile_stored(T, spill, kCols * sizeof(float));                             \
+      for (int64_t r = 0; r < (rows); ++r)                                       \
+        std::memcpy((out) + r * (n), spill + r * kCols, kCols * sizeof(float));  \
+    }                                                                            \
+  } while (0)
+
+// Output columns [16 * b0, 16 * b1) for every row. Two row blocks by two column blocks at a
+// time where there are (one pass: tiles 0-3 accumulate, 4-5 hold x, 6-7 the weights), so
+// each tile loaded feeds two multiplies; else one row block by up to two column blocks
+// (tiles 0-1 accumulate, 4-5 hold x's hi and lo, 6-7 the weights).
 AMX void Columns(const Problem& p, int64_t b0, int64_t b1) {
-  const int64_t x_stride = p.k_blocks * kDepth * sizeof(uint16_t);
-  alignas(64) float spill[2][kRows * kCols];  // a partial last row block lands here first
+  const int64_t depth = p.k_blocks * kDepth;  // x's A tiles: a row block's are depth * 16
   for (int64_t b = b0; b < b1; b += 2) {
     const bool pair = b + 1 < b1;
     const uint16_t* w0 = p.w + b * p.k_blocks * kTile;
     const uint16_t* w1 = w0 + p.k_blocks * kTile;
-    for (int64_t mb = 0; mb < p.m_blocks; ++mb) {
+    int64_t mb = 0;
+    for (; pair && !p.x_lo && mb + 1 < p.m_blocks; mb += 2) {
       _tile_zero(0);
       _tile_zero(1);
-      const uint16_t* hi = p.x_hi + mb * kRows * p.k_blocks * kDepth;
-      const uint16_t* lo = p.x_lo ? p.x_lo + mb * kRows * p.k_blocks * kDepth : nullptr;
+      _tile_zero(2);
+      _tile_zero(3);
+      const uint16_t* x0 = p.x_hi + mb * kRows * depth;
+      const uint16_t* x1 = x0 + kRows * depth;
       for (int64_t kb = 0; kb < p.k_blocks; ++kb) {
-        _tile_loadd(2, hi + kb * kDepth, x_stride);
-        if (p.x_lo) _tile_loadd(3, lo + kb * kDepth, x_stride);
-        _tile_loadd(4, w0 + kb * kTile, 64);
-        _tile_dpbf16ps(0, 2, 4);
-        if (p.x_lo) _tile_dpbf16ps(0, 3, 4);
+        _tile_loadd(4, x0 + kb * kTile, 64);
+        _tile_loadd(6, w0 + kb * kTile, 64);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_loadd(7, w1 + kb * kTile, 64);
+        _tile_dpbf16ps(1, 4, 7);
+        _tile_loadd(5, x1 + kb * kTile, 64);
+        _tile_dpbf16ps(2, 5, 6);
+        _tile_dpbf16ps(3, 5, 7);
+      }
+      float* out = p.y + mb * kRows * p.n + b * kCols;
+      const int64_t rows = std::min(kRows, p.m - (mb + 1) * kRows);
+      STORE_TILE(0, out, kRows, p.n);
+      STORE_TILE(1, out + kCols, kRows, p.n);
+      STORE_TILE(2, out + kRows * p.n, rows, p.n);
+      STORE_TILE(3, out + kRows * p.n + kCols, rows, p.n);
+    }
+    for (; mb < p.m_blocks; ++mb) {
+      _tile_zero(0);
+      _tile_zero(1);
+      const uint16_t* hi = p.x_hi + mb * kRows * depth;
+      const uint16_t* lo = p.x_lo ? p.x_lo + mb * kRows * depth : nullptr;
+      for (int64_t kb = 0; kb < p.k_blocks; ++kb) {
+        _tile_loadd(4, hi + kb * kTile, 64);
+        if (lo) _tile_loadd(5, lo + kb * kTile, 64);
+        _tile_loadd(6, w0 + kb * kTile, 64);
+        _tile_dpbf16ps(0, 4, 6);
+        if (lo) _tile_dpbf16ps(0, 5, 6);
         if (pair) {
-          _tile_loadd(5, w1 + kb * kTile, 64);
-          _tile_dpbf16ps(1, 2, 5);
-          if (p.x_lo) _tile_dpbf16ps(1, 3, 5);
+          _tile_loadd(7, w1 + kb * kTile, 64);
+          _tile_dpbf16ps(1, 4, 7);
+          if (lo) _tile_dpbf16ps(1, 5, 7);
         }
       }
-      const int64_t rows = std::min(kRows, p.m - mb * kRows);
       float* out = p.y + mb * kRows * p.n + b * kCols;
-      if (rows == kRows) {
-        _tile_stored(0, out, p.n * sizeof(float));
-        if (pair) _tile_stored(1, out + kCols, p.n * sizeof(float));
-        continue;
-      }
-      _tile_stored(0, spill[0], kCols * sizeof(float));
-      if (pair) _tile_stored(1, spill[1], kCols * sizeof(float));
-      for (int64_t r = 0; r < rows; ++r) {
-        std::memcpy(out + r * p.n, spill[0] + r * kCols, kCols * sizeof(float));
-        if (pair) std::memcpy(out + r * p.n + kCols, spill[1] + r * kCols, kCols * sizeof(float));
-      }
+      const int64_t rows = std::min(kRows, p.m - mb * kRows);
+      STORE_TILE(0, out, rows, p.n);
+      if (pair) STORE_TILE(1, out + kCols, rows, p.n);
     }
   }
-}
-
-// Claims work items (runs of column blocks) from `next` until none is left (RunOnPool);
-// returns how many it ran. A thread's tiles are configured at its first item only.
-AMX int64_t DrainColumns(const Problem& p, std::atomic<int64_t>& next, int64_t items) {
-  int64_t finished = 0;
-  for (int64_t i = next.fetch_add(1); i < items; i = next.fetch_add(1)) {
-    if (!finished) ConfigureTiles();
-    const int64_t b0 = i * kItemBlocks;
-    Columns(p, b0, std::min(p.n_blocks, b0 + kItemBlocks));
-    ++finished;
-  }
-  if (finished) _tile_release();
-  return finished;
 }
 
 // One input pair `pair` of k block `kb`: acc[r][c] += x_hi[r] . w (+ x_lo[r] . w with kLo)
@@ -315,20 +362,27 @@ AVX512_BF16 void WidenQ41(const uint8_t* w, int64_t tiles, uint16_t* out) {
   }
 }
 
-// Output columns [16 * b0, 16 * b1) of a Q4_1 weight: widened (WidenQ41) into this
-// thread's buffer, then multiplied from it by the bf16 loops, as a sub-problem whose
-// weight is the buffer and whose output starts at column block b0. (Widening each k
-// block into L1 just before its multiplies, as StreamBlocks reads a bf16 weight, measured
-// 1.1-1.2x the time of this on a Zen 5: its prefetches did not keep ahead of it.)
-template <bool kLo>
-AVX512_BF16 void Q41Columns(const Problem& p, const uint8_t* w, int64_t b0, int64_t b1) {
-  thread_local std::vector<uint16_t> widened;
+// Column blocks [b0, b1) of a Q4_1 weight widened (WidenQ41) into this thread's buffer:
+// the sub-problem whose weight is the buffer and whose output starts at column block b0,
+// which the bf16 loops (AMX's or AVX512-BF16's) then multiply as a packed bf16 weight.
+// (Widening each k block into L1 just before its multiplies, as StreamBlocks reads a bf16
+// weight, measured 1.1-1.2x the time of this on a Zen 5: its prefetches did not keep ahead
+// of it.)
+AVX512_BF16 Problem Widened(const Problem& p, const uint8_t* w, int64_t b0, int64_t b1) {
+  thread_local AlignedVector<uint16_t> widened;
   widened.resize((b1 - b0) * p.k_blocks * kTile);
   WidenQ41(w + b0 * p.k_blocks * kQ4Tile, (b1 - b0) * p.k_blocks, widened.data());
   Problem part = p;
   part.w = widened.data();
   part.y = p.y + b0 * kCols;
   part.n_blocks = b1 - b0;
+  return part;
+}
+
+// Output columns [16 * b0, 16 * b1) of a Q4_1 weight on AVX512-BF16.
+template <bool kLo>
+AVX512_BF16 void Q41Columns(const Problem& p, const uint8_t* w, int64_t b0, int64_t b1) {
+  const Problem part = Widened(p, w, b0, b1);
   if (p.m > kVecRows && p.m <= kStreamRows) StreamColumns<kLo>(part, 0, b1 - b0);
   else VecColumns<kLo>(part, 0, b1 - b0);
 }
@@ -471,6 +525,23 @@ AVX512_VNNI void Int8Columns(const Problem& p, const Int8Rows& x, const uint8_t*
   }
 }
 
+// Claims work items (runs of column blocks) from `next` until none is left (RunOnPool);
+// returns how many it ran. A Q4_1 weight (`w8` not null) is widened an item at a time
+// (Widened). A thread's tiles are configured at its first item only.
+AMX int64_t DrainColumns(const Problem& p, const uint8_t* w8, std::atomic<int64_t>& next,
+                         int64_t items) {
+  int64_t finished = 0;
+  for (int64_t i = next.fetch_add(1); i < items; i = next.fetch_add(1)) {
+    if (!finished) ConfigureTiles();
+    const int64_t b0 = i * kItemBlocks, b1 = std::min(p.n_blocks, b0 + kItemBlocks);
+    if (w8) Columns(Widened(p, w8, b0, b1), 0, b1 - b0);
+    else Columns(p, b0, b1);
+    ++finished;
+  }
+  if (finished) _tile_release();
+  return finished;
+}
+
 enum class Isa { kAmx, kAvx512Bf16 };
 
 template <Isa isa, ffi::DataType kWeight>
@@ -495,7 +566,7 @@ ffi::Error Linear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<kWe
   if (m == 0) return ffi::Error::Success();
   const int64_t m_blocks = (m + kRows - 1) / kRows, depth = k_blocks * kDepth;
   // x as the kernels take it: int8 blocks (passes 0, Q4_1 only), or bf16 (hi, and lo)
-  std::vector<uint16_t> hi, lo;
+  AlignedVector<uint16_t> hi, lo;
   std::vector<int8_t> q8;
   std::vector<float> d8, s8;
   Int8Rows int8{};
@@ -515,7 +586,7 @@ ffi::Error Linear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<kWe
       lo.assign(hi.size(), 0);
       x_lo = lo.data();
     }
-    Split(x.typed_data(), m, k, depth, hi.data(), x_lo);
+    Split(x.typed_data(), m, k, depth, isa == Isa::kAmx, hi.data(), x_lo);
   }
   const uint16_t* w16 = nullptr;  // a bf16 weight's layer, or a Q4_1 one's
   const uint8_t* w8 = nullptr;
@@ -523,11 +594,10 @@ ffi::Error Linear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<kWe
   else w16 = w.typed_data() + l * n_blocks * k_blocks * kTile;
   const Problem p{hi.data(), x_lo, w16, y->typed_data(), m, n_blocks * kCols, m_blocks,
                   n_blocks, k_blocks};
-  if constexpr (isa == Isa::kAmx) {
-    static_assert(!kQ41, "Q4_1 weights run on AVX512-BF16 only");
+  if (isa == Isa::kAmx && !int8.q) {  // int8 activations take AVX512-VNNI's loop below
     const int64_t items = (n_blocks + kItemBlocks - 1) / kItemBlocks;
-    jaxserve::RunOnPool(pool, items, [p](std::atomic<int64_t>& next, int64_t total) {
-      return DrainColumns(p, next, total);
+    jaxserve::RunOnPool(pool, items, [p, w8](std::atomic<int64_t>& next, int64_t total) {
+      return DrainColumns(p, w8, next, total);
     });
   } else {
     const int64_t items = (n_blocks + kVecBlocks - 1) / kVecBlocks;
@@ -566,6 +636,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveAmxLinear, (Linear<Isa::kAmx, ffi::U16>),
                               JAXSERVE_LINEAR_BINDING(ffi::U16));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveAvx512Bf16Linear, (Linear<Isa::kAvx512Bf16, ffi::U16>),
                               JAXSERVE_LINEAR_BINDING(ffi::U16));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveAmxQ41Linear, (Linear<Isa::kAmx, ffi::U8>),
+                              JAXSERVE_LINEAR_BINDING(ffi::U8));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveAvx512Bf16Q41Linear,
                               (Linear<Isa::kAvx512Bf16, ffi::U8>),
                               JAXSERVE_LINEAR_BINDING(ffi::U8));

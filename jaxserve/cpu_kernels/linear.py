@@ -10,9 +10,9 @@ to bf16 (`passes` 1; reference `bf16(x) @ unpack(w)`), or to f32 precision of x 
 split into two bf16 parts; reference `x @ unpack(w)`; see linear.cc).
 
 A GGUF file's Q4_1 projections can stay Q4_1 (`pack_q4_1`: 0.31x the bytes of bf16) on
-AVX512-BF16: the kernel widens each tile to bf16 as it multiplies it, exactly as `pack`
-rounds the dequantized weight, so the results are the bf16 packing's bit for bit, and a
-decode step, which streams every weight once, reads a third of the bytes. On AVX512-VNNI
+either kernel: it widens each tile to bf16 as it multiplies it, exactly as `pack` rounds
+the dequantized weight, so the results are the bf16 packing's bit for bit, and a decode
+step, which streams every weight once, reads a third of the bytes. On AVX512-VNNI
 a Q4_1 weight can instead take int8 activations (`passes` 0: x quantized per row and
 block of 32 inputs, the nibbles multiplied as integers, as llama.cpp computes a Q4_1
 file; reference `q8_reference`), with no widening at all.
@@ -33,9 +33,6 @@ log = logging.getLogger(__name__)
 
 ROWS, DEPTH = 16, 32  # a packed tile: 16 input pairs × 16 columns × 2 (linear.cc)
 Q4_1_TILE = (20, 16)  # a Q4_1 tile's bytes: 16 columns' d and m (f16), 16 rows of pairs
-# the Q4_1 kernel: its FFI target and linear.cc's symbol; it runs where avx512_bf16 does
-Q4_1_KERNEL = ("jaxserve_avx512_bf16_q4_1_linear", "JaxserveAvx512Bf16Q41Linear")
-Q4_1_BACKEND = "avx512_bf16"
 INT8_FLAGS = ("avx512_vnni", "avx512vbmi")  # what int8 activations (passes 0) also need
 # backend: (its FFI target, linear.cc's handler symbol, the CPU flags it runs on), in the
 # order `auto` prefers them
@@ -43,6 +40,11 @@ KERNELS = {
     "amx": ("jaxserve_amx_linear", "JaxserveAmxLinear", ("amx_tile", "amx_bf16", "avx512_bf16")),
     "avx512_bf16": ("jaxserve_avx512_bf16_linear", "JaxserveAvx512Bf16Linear",
                     ("avx512f", "avx512bw", "avx512_bf16")),
+}
+# each backend's kernel for Q4_1 weights (pack_q4_1): its FFI target and linear.cc's symbol
+Q4_1_KERNELS = {
+    "amx": ("jaxserve_amx_q4_1_linear", "JaxserveAmxQ41Linear"),
+    "avx512_bf16": ("jaxserve_avx512_bf16_q4_1_linear", "JaxserveAvx512Bf16Q41Linear"),
 }
 
 
@@ -77,18 +79,18 @@ def available(backend: str) -> bool:
         return False
     jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(library, symbol)),
                                 platform="cpu")
-    if backend == Q4_1_BACKEND:
-        jax.ffi.register_ffi_target(Q4_1_KERNEL[0],
-                                    jax.ffi.pycapsule(getattr(library, Q4_1_KERNEL[1])),
-                                    platform="cpu")
+    q4_1_target, q4_1_symbol = Q4_1_KERNELS[backend]
+    jax.ffi.register_ffi_target(q4_1_target, jax.ffi.pycapsule(getattr(library, q4_1_symbol)),
+                                platform="cpu")
     return True
 
 
 @functools.cache
 def int8_available() -> bool:
-    """Q4_1 weights can take int8 activations (`passes` 0) on this CPU."""
+    """Q4_1 weights can take int8 activations (`passes` 0) on this CPU (on either backend's
+    kernel: both run linear.cc's AVX512-VNNI loop for them)."""
     flags = cpu_flags().split()
-    return all(flag in flags for flag in INT8_FLAGS) and available(Q4_1_BACKEND)
+    return all(flag in flags for flag in INT8_FLAGS) and any(map(available, KERNELS))
 
 
 def select(requested: str, weight_dtype: str, dtype: jnp.dtype, one_device: bool) -> str:
@@ -223,8 +225,6 @@ def packed_linear(x: jax.Array, packed: jax.Array, layer: jax.Array | int | None
     if packed.dtype not in (jnp.uint16, jnp.uint8) or packed.ndim not in (4, 5) or (
             packed.shape[-2:] != tile):
         raise ValueError(f"not a packed weight: {packed.dtype}{list(packed.shape)}")
-    if q4_1 and backend != Q4_1_BACKEND:
-        raise ValueError(f"Q4_1 weights multiply on {Q4_1_BACKEND}, not {backend}")
     if packed.ndim == 4:
         packed, layer = packed[None], 0
     elif layer is None:
@@ -243,7 +243,7 @@ def packed_linear(x: jax.Array, packed: jax.Array, layer: jax.Array | int | None
         raise RuntimeError(f"the {backend} bf16 kernel is unavailable here (see the log)")
     n = packed.shape[1] * 16
     flat = x.reshape(-1, k)
-    call = jax.ffi.ffi_call(Q4_1_KERNEL[0] if q4_1 else KERNELS[backend][0],
+    call = jax.ffi.ffi_call(Q4_1_KERNELS[backend][0] if q4_1 else KERNELS[backend][0],
                             jax.ShapeDtypeStruct((flat.shape[0], n), jnp.float32))
     y = call(flat, packed, jnp.asarray(layer, jnp.int32), passes=np.int32(passes))
     return y.reshape(*x.shape[:-1], n)
