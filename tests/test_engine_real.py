@@ -7,7 +7,6 @@ from hf_models import save_random_model
 
 from jaxserve import LLM, SamplingParams
 from jaxserve.checkpoint.tokenizer import Tokenizer
-from jaxserve.cpu_kernels import linear
 from jaxserve.device import runner
 from jaxserve.device.batch import pack_step
 from jaxserve.device.runner import compile_count
@@ -42,15 +41,7 @@ def llm(smollm2_gguf):
     "params",
     [
         SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True),
-        pytest.param(
-            SamplingParams(max_tokens=24, temperature=0.8, seed=1234, ignore_eos=True),
-            marks=pytest.mark.xfail(
-                linear.available("amx"), strict=False,
-                reason="a known defect (bench/results/NOTES.md, 2026-12-03): a decode row's "
-                "K/V differ at ~1e-5 between a (1, 1) and an (8, 8) step from layer 4 on this "
-                "Intel Xeon (AMX), and seeded sampling amplifies it at token 5; (4, 4) steps "
-                "match; cause not yet found"),
-        ),
+        SamplingParams(max_tokens=24, temperature=0.8, seed=1234, ignore_eos=True),
     ],
     ids=["greedy", "seeded"],
 )

@@ -672,8 +672,12 @@ def test_sigterm_drains_in_flight_requests_and_exits_cleanly(tiny_model):
             assert reason == "length"  # finished inside the drain timeout
         else:
             assert reason in ("length", "abort")  # cut at the drain timeout, cleanly
-    assert probes
-    for status, payload in probes:
+    # a probe sent before the server's loop ran its SIGTERM handler is still served (it
+    # cannot tell it from a request sent before the signal); from the first refusal on,
+    # every probe is refused (seen once under a full suite's load: 200, 503, refused)
+    refused = [i for i, (status, _) in enumerate(probes) if status != 200]
+    assert refused, "no probe was refused after SIGTERM"
+    for status, payload in probes[refused[0]:]:
         assert status == 503 or status in ("ClientConnectorError", "ServerDisconnectedError",
                                            "ClientOSError"), status
         if status == 503:

@@ -58,8 +58,25 @@ def apply_rope(
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     x32 = x.astype(jnp.float32)
-    normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    mean = row_sum(x32 * x32) / x32.shape[-1]
+    normed = x32 * jax.lax.rsqrt(mean + eps)
     return (normed * weight).astype(x.dtype)
+
+
+def row_sum(x: jax.Array) -> jax.Array:
+    """x's sum over its last axis (kept, size 1), added in one order whatever the rows.
+
+    XLA:CPU reduces a row in an order that depends on how many rows there are (a norm's
+    mean of 1 or 4 rows differed in its last bit from that of 8 or 16 on an Intel Xeon),
+    so a decode row's outputs depended on its step's bucket. Halving the row (zero-padded
+    to a power of two) and adding the halves elementwise fixes the order."""
+    n = x.shape[-1]
+    width = 1 << max(n - 1, 0).bit_length()
+    x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, width - n)])
+    while width > 1:
+        width //= 2
+        x = x[..., :width] + x[..., width:]
+    return x
 
 
 def _param(rngs: nnx.Rngs, shape: tuple[int, ...], dtype: jnp.dtype) -> nnx.Param:
