@@ -463,14 +463,16 @@ void RunItem(const Problem& p, const Item& it, Scratch& sc) {
     // pages of 16 keys: a prefill tile's queries AttendLanes, 16 at a time, from the page
     // in f32 (bf16, int8 and fp8 dequantized into scratch); fewer queries AttendPage, a
     // few at a time, reading f32 and bf16 pages in place (int8 and fp8 from the scratch)
-    const char* next_v = nullptr;  // the next page's V, for AttendPage to fetch
+    // the next page is elsewhere in the pool: fetch it while this one is computed (on
+    // AttendPage's path its V only once this page's scores are taken: next_v)
+    const int64_t page_bytes = PS * D * int64_t{sizeof(Stored)};
+    const char* next_v = nullptr;
     if (kFast && b + 1 < num_blocks) {
-      // the next page is elsewhere in the pool: fetch it while this one is computed
       int64_t next = p.page_table[it.row * p.max_pages + b + 1];
       if (next < 0 || next >= p.num_pages) next = 0;
-      const char* nk = static_cast<const char*>(p.k) + (layer_offset + next) * PS * D * sizeof(Stored);
-      const char* nv = static_cast<const char*>(p.v) + (layer_offset + next) * PS * D * sizeof(Stored);
-      for (int64_t line = 0; line < PS * D * int64_t{sizeof(Stored)}; line += 64) {
+      const char* nk = static_cast<const char*>(p.k) + (layer_offset + next) * page_bytes;
+      const char* nv = static_cast<const char*>(p.v) + (layer_offset + next) * page_bytes;
+      for (int64_t line = 0; line < page_bytes; line += 64) {
         _mm_prefetch(nk + line, _MM_HINT_T0);
         if (lanes) _mm_prefetch(nv + line, _MM_HINT_T0);
       }
@@ -485,8 +487,7 @@ void RunItem(const Problem& p, const Item& it, Scratch& sc) {
       for (int64_t q0 = 0; q0 < n; q0 += kPageQueries)
         AttendPage<Row, kHeadDim ? kHeadDim : 16>(
             kr, vr, std::min(kPageQueries, n - q0), q + q0 * D, valid + q0, sc.m.data() + q0,
-            sc.l.data() + q0, acc + q0 * D, next_v,
-            q0 == 0 && next_v ? PS * D * int64_t{sizeof(Stored)} : 0);
+            sc.l.data() + q0, acc + q0 * D, next_v, q0 == 0 && next_v ? page_bytes : 0);
     };
     if constexpr (kFast && (std::is_same_v<Storage, F32> || std::is_same_v<Storage, Bf16>)) {
       if (!lanes) {

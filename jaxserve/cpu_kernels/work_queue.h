@@ -54,7 +54,8 @@ void RunOnPool(xla::ffi::ThreadPool pool, int64_t items, Drain drain) {
   state->Run();
   // What is left is a helper's last item: wait for it awake first (sleeping on the
   // condition variable, a 16-row decode step switched threads ~200 times instead of ~65,
-  // and took ~8 % longer on an Intel Xeon), then asleep should the helper have lost its core.
+  // and took ~13 % longer on an Intel Xeon), then asleep should the helper have lost its
+  // core.
   for (int spins = 0; spins < kSpins && state->done.load() != items; ++spins) _mm_pause();
   std::unique_lock<std::mutex> lock(state->mu);
   state->all_done.wait(lock, [&] { return state->done.load() == items; });
