@@ -31,7 +31,7 @@ from jaxserve.host.buckets import BucketTable
 from jaxserve.host.engine import Engine
 from jaxserve.host.page_allocator import PageAllocator
 from jaxserve.host.plan import StepPlan
-from jaxserve.host.results import RESULT_WIDTH, StepOutput, StepTime
+from jaxserve.host.results import RESULT_WIDTH, PendingStep, StepOutput, StepTime
 from jaxserve.host.scheduler import Scheduler
 
 PAGE_SIZE = 16
@@ -47,13 +47,14 @@ class FreeRunner:
         self.token = token
         self.max_pages = max_pages
 
-    def execute(self, plan: StepPlan) -> StepOutput:
+    def launch(self, plan: StepPlan) -> PendingStep:
         num_tokens, num_rows = plan.bucket
         pack_step(plan.chunks, PAGE_SIZE, num_tokens, num_rows, self.max_pages, num_rows)
         results = np.zeros((len(plan.chunks), RESULT_WIDTH), np.float32)
         results[:, 0] = self.token
         samples = np.array([c.samples for c in plan.chunks], bool)
-        return StepOutput.unpack(results, samples)
+        output = StepOutput.unpack(results, samples)
+        return PendingStep(lambda: output)
 
 
 def measure(tokenizer: Tokenizer, rows: int, steps: int) -> dict:

@@ -241,6 +241,10 @@ def _engine_flags(parser: argparse.ArgumentParser) -> None:
                        help="unread outputs a request keeps apart; past it they merge")
     group.add_argument("--no-prefix-cache", action="store_true", help="never reuse KV pages")
     group.add_argument(
+        "--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
+        help="plan each step while the one before computes (default: on)",
+    )
+    group.add_argument(
         "--reserved-rows", type=int, default=None,
         help="batch rows no tenant may take while another is active (default max-batch/8)",
     )
@@ -307,6 +311,7 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
         compilation_cache_dir=args.compilation_cache_dir or None,
         stream_capacity=args.stream_buffer,
         prefix_caching=not args.no_prefix_cache,
+        async_scheduling=args.async_scheduling,
         reserved_rows=args.reserved_rows,
         buckets=None if args.buckets is None else (args.buckets.token_sizes,
                                                    args.buckets.row_sizes),

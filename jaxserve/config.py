@@ -173,6 +173,8 @@ class EngineConfig:
     # None: max(1, max_batch // 8)
     reserved_rows: int | None = None
     debug_checks: bool = False  # verify page ownership every step (tests turn it on)
+    # plan and launch each step before the previous one's tokens are read (engine.py)
+    async_scheduling: bool = True
     # the compiled step shapes as (token sizes, row sizes); None: BucketTable.for_limits
     # (max_batch, token_budget). Fewer buckets start faster and pad more.
     buckets: tuple[tuple[int, ...], tuple[int, ...]] | None = None

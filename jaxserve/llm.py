@@ -197,7 +197,7 @@ class LLM:
         eos = self.config.eos_token_ids or self.tokenizer.eos_token_ids
         self.engine = Engine(
             self.runner, self.scheduler, self.tokenizer, eos, cfg.stream_capacity,
-            debug_checks=cfg.debug_checks,
+            debug_checks=cfg.debug_checks, async_scheduling=cfg.async_scheduling,
         )
 
     @property

@@ -78,6 +78,13 @@ class Metrics:
             buckets=STEP_PART_BUCKETS,
             registry=r,
         )
+        self.step_device_idle_seconds = Histogram(
+            "jaxserve:step_device_idle_seconds",
+            "Host time of an engine step during which the device had nothing to run (at "
+            "most; with async scheduling only a launch that found the device done counts)",
+            buckets=STEP_PART_BUCKETS,
+            registry=r,
+        )
         self.prompt_tokens = Counter("jaxserve:prompt_tokens", "Prompt tokens", registry=r)
         self.generation_tokens = Counter(
             "jaxserve:generation_tokens", "Generated tokens", registry=r
@@ -137,6 +144,7 @@ class Metrics:
         self.step_seconds.observe(time.seconds)
         self.step_host_seconds.observe(time.host_seconds)
         self.step_device_seconds.observe(time.device_seconds)
+        self.step_device_idle_seconds.observe(time.device_idle_seconds)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

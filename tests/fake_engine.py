@@ -4,6 +4,8 @@ The fake model's next token is (last token of the chunk + 1) mod VOCAB, so a
 prompt ending in token t continues t+1, t+2, …; token 0 is EOS.
 """
 
+import functools
+
 import numpy as np
 import tokenizers
 
@@ -12,7 +14,7 @@ from jaxserve.host.buckets import BucketTable
 from jaxserve.host.engine import Engine
 from jaxserve.host.page_allocator import PageAllocator
 from jaxserve.host.plan import StepPlan
-from jaxserve.host.results import RESULT_WIDTH, StepOutput
+from jaxserve.host.results import RESULT_WIDTH, PendingStep, StepOutput
 from jaxserve.host.scheduler import Scheduler
 
 VOCAB = 100
@@ -35,22 +37,31 @@ def next_token(token: int) -> int:
 class FakeRunner:
     """Records every step's plan and answers with last token + 1; a row with draft tokens
     accepts each draft the fake model agrees with (draft = previous token + 1), up to the
-    first it does not, then samples after the last accepted one, as a verifying step would."""
+    first it does not, then samples after the last accepted one, as a verifying step would.
+    A step runs when its results are read (steps are read in launch order); a placeholder
+    token (async scheduling) reads its row's last sampled token, as the device does."""
 
     def __init__(self) -> None:
         self.steps: list[StepPlan] = []
+        self.last: dict[int, int] = {}  # row -> its last sampled token
+
+    def launch(self, plan: StepPlan) -> PendingStep:
+        self.steps.append(plan)
+        return PendingStep(functools.partial(self.execute, plan))
 
     def execute(self, plan: StepPlan) -> StepOutput:
-        self.steps.append(plan)
         rows = []
         for c in plan.chunks:
             real = len(c.token_ids) - c.num_speculative
-            accepted = [next_token(c.token_ids[real - 1])]
+            last = c.token_ids[real - 1]
+            accepted = [next_token(self.last[-1 - last] if last < 0 else last)]
             for draft in c.token_ids[real:]:
                 if draft != accepted[-1]:
                     break
                 accepted.append(next_token(draft))
             rows.append(accepted if c.samples else [])
+            if c.samples:
+                self.last[c.row] = accepted[-1]
         k = max([1, *map(len, rows)])
         packed = np.zeros((len(rows), RESULT_WIDTH), np.float32)
         one = StepOutput.unpack(packed)
@@ -74,6 +85,7 @@ def make_engine(
     prefix_caching: bool = True,
     proposer=None,
     reserved_rows: int = 0,
+    async_scheduling: bool = False,
 ) -> tuple[Engine, FakeRunner]:
     runner = FakeRunner()
     scheduler = Scheduler(
@@ -88,6 +100,6 @@ def make_engine(
     )
     engine = Engine(
         runner, scheduler, word_tokenizer(), (EOS,), stream_capacity, debug_checks=True,
-        proposer=proposer,
+        proposer=proposer, async_scheduling=async_scheduling,
     )
     return engine, runner

@@ -8,6 +8,7 @@ from fake_engine import EOS, VOCAB, make_engine, next_token
 
 from jaxserve.config import SamplingParams
 from jaxserve.host.engine import EngineFailed
+from jaxserve.host.plan import pending_token
 from jaxserve.host.request import RequestRejected
 
 
@@ -142,11 +143,13 @@ def test_requests_that_can_never_fit_are_rejected_at_once():
     assert not engine.has_work()
 
 
-def test_random_mix_of_finish_cancel_reject_returns_every_page():
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_random_mix_of_finish_cancel_reject_returns_every_page(async_scheduling):
     import random
 
     rng = random.Random(0)
-    engine, _ = make_engine(num_pages=41, page_size=4, max_batch=6, token_budget=12)
+    engine, _ = make_engine(num_pages=41, page_size=4, max_batch=6, token_budget=12,
+                            async_scheduling=async_scheduling)
     streams = []
     for _ in range(400):
         if rng.random() < 0.3:
@@ -269,8 +272,9 @@ def _drain(stream) -> list:
     return items
 
 
-def test_a_failing_step_fails_the_engine_and_every_request_once():
-    engine, runner = make_engine()
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_a_failing_step_fails_the_engine_and_every_request_once(async_scheduling):
+    engine, runner = make_engine(async_scheduling=async_scheduling)
     params = SamplingParams(max_tokens=8, ignore_eos=True)
     streams = [engine.submit([5, 6, 7], params) for _ in range(3)]
     engine.step()
@@ -287,13 +291,15 @@ def test_a_failing_step_fails_the_engine_and_every_request_once():
     assert "device lost" in engine.failure
     for stream in streams:
         assert _drain(stream)[-1].finish_reason == "error"
-    assert engine.scheduler.num_pages_free == engine.scheduler.num_pages_usable
+    sched = engine.scheduler  # every page returned (a full one may stay cached)
+    assert sched.num_pages_free + sched.num_pages_cached == sched.num_pages_usable
     with pytest.raises(EngineFailed):
         engine.submit([5], params)
 
 
-def test_the_watchdog_fails_a_step_that_hangs():
-    engine, runner = make_engine()
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_the_watchdog_fails_a_step_that_hangs(async_scheduling):
+    engine, runner = make_engine(async_scheduling=async_scheduling)
     params = SamplingParams(max_tokens=8, ignore_eos=True)
     stream = engine.submit([5, 6, 7], params)
     hang = threading.Event()
@@ -306,3 +312,83 @@ def test_the_watchdog_fails_a_step_that_hangs():
     assert _drain(stream)[-1].finish_reason == "error"
     hang.set()
     engine.stop()
+
+
+# ---------------------------------------------------------------- async scheduling
+
+
+def run_mix(async_scheduling: bool, seed: int = 0) -> tuple[list, list]:
+    """A random mix of prompts (some stop at EOS, some at max_tokens or a stop string),
+    prefix-shared, submitted over the first steps; every output and every plan."""
+    import random
+
+    rng = random.Random(seed)
+    engine, runner = make_engine(num_pages=41, page_size=4, max_batch=6, token_budget=12,
+                                 async_scheduling=async_scheduling)
+    system = [30, 31, 32, 33, 34, 35, 36, 37]
+    streams = []
+    for i in range(40):
+        start = rng.choice([[], system])
+        prompt = start + [rng.randrange(1, 100) for _ in range(rng.randint(1, 12))]
+        stop = ("w99",) if rng.random() < 0.2 else ()
+        params = SamplingParams(max_tokens=rng.randint(1, 20), ignore_eos=rng.random() < 0.3,
+                                stop=stop)
+        streams.append(engine.submit(prompt, params, f"r{i}"))
+        if rng.random() < 0.5:
+            engine.step()
+    while engine.has_work():
+        engine.step()
+    alloc = engine.scheduler.allocators[0]
+    assert alloc.num_used == 0 and alloc.num_free + alloc.num_cached == alloc.num_usable
+    assert not engine.requests and sum(engine.num_finished.values()) == 40
+    return [drain(s) for s in streams], runner.steps
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_async_scheduling_gives_every_request_the_same_output(seed):
+    """Steps planned before the previous one's tokens are read (placeholders filled in on
+    the device) give the same tokens, text and finish reasons as steps planned after."""
+    sync_outputs, _ = run_mix(False, seed)
+    async_outputs, steps = run_mix(True, seed)
+    assert async_outputs == sync_outputs
+    placeholders = [t for p in steps for c in p.chunks for t in c.token_ids if t < 0]
+    assert placeholders  # the mix did decode while a step was in flight
+
+
+def test_with_async_scheduling_a_stopped_row_runs_once_more_and_frees_a_step_later():
+    engine, runner = make_engine(async_scheduling=True)
+    alloc = engine.scheduler.allocators[0]
+    stream = engine.submit([97, 98], SamplingParams(max_tokens=10), "eos")  # 99, then EOS
+    engine.step()  # the prefill is launched; nothing is read yet
+    assert len(stream) == 0
+    out = engine.step()  # 99's decode is launched before 99 is read, as a placeholder
+    assert plan(out) == [("eos", 2, (pending_token(0),))]
+    assert _drain(stream)[0].token_ids == (99,)  # then the prefill's results were read
+    engine.step()  # EOS is read, while the step in flight computes the row once more
+    assert engine.scheduler.running and not engine.requests
+    assert _drain(stream)[0].finish_reason == "stop"
+    engine.step()  # that step is read, its token dropped: the pages are free
+    assert not engine.has_work() and alloc.num_used == 0
+    assert len(runner.steps) == 3  # the prefill, 99's decode, EOS's decode (wasted)
+
+
+def test_with_async_scheduling_a_request_at_max_tokens_is_planned_no_more():
+    engine, runner = make_engine(async_scheduling=True)
+    alloc = engine.scheduler.allocators[0]
+    stream = engine.submit([5], SamplingParams(max_tokens=2, ignore_eos=True), "two")
+    while engine.has_work():
+        engine.step()
+    assert len(runner.steps) == 2  # the prefill and one decode: no wasted row
+    assert drain(stream)[0] == [6, 7] and alloc.num_used == 0
+
+
+def test_with_async_scheduling_a_cancel_frees_pages_once_the_step_in_flight_ran():
+    engine, runner = make_engine(async_scheduling=True)
+    alloc = engine.scheduler.allocators[0]
+    stream = engine.submit([1, 2, 3], SamplingParams(max_tokens=20, ignore_eos=True), "x")
+    engine.step()
+    engine.step()
+    engine.cancel("x")
+    engine.step()  # the step in flight is read; the request is planned no more
+    assert alloc.num_used == 0 and not engine.has_work()
+    assert len(runner.steps) == 2 and drain(stream)[2] == "abort"

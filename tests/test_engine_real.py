@@ -149,3 +149,37 @@ def test_generate_outputs_longer_than_the_stream_buffer(tmp_path, smollm2_gguf):
     outs = llm.generate([[5, 6, 7], [8, 9]], params)
     assert [len(o.token_ids) for o in outs] == [40, 40]
     assert all(o.finish_reason == "length" for o in outs)
+
+
+def test_async_scheduling_gives_the_tokens_of_steps_planned_after_their_results(tiny_model):
+    """With async scheduling each step is planned and launched before the previous one's
+    tokens are read (a decode's token is filled in on the device): every request's output
+    is the one it gets with steps planned after reading, across greedy and seeded rows,
+    penalties, logit bias, logprobs, prompt logprobs, chunked prefills and rows that
+    finish at different steps."""
+    rng = random.Random(7)
+    prompts = [[rng.randrange(100, 3000) for _ in range(rng.randint(3, 40))]
+               for _ in range(10)]
+    kinds = [
+        SamplingParams(max_tokens=9, temperature=0.0, ignore_eos=True),
+        SamplingParams(max_tokens=14, temperature=0.9, seed=11, ignore_eos=True),
+        SamplingParams(max_tokens=6, temperature=0.0, repetition_penalty=1.3,
+                       frequency_penalty=0.5, presence_penalty=0.4, ignore_eos=True),
+        SamplingParams(max_tokens=11, temperature=0.7, seed=5, top_k=20, logprobs=3,
+                       ignore_eos=True),
+        SamplingParams(max_tokens=4, temperature=0.0, prompt_logprobs=2, ignore_eos=True),
+        SamplingParams(max_tokens=8, temperature=0.0, logit_bias=((42, 100.0),)),
+    ]
+    params = [kinds[i % len(kinds)] for i in range(len(prompts))]
+    engine = {"max_batch": 4, "num_pages": 64, "token_budget": 16, "debug_checks": True}
+    outputs = {}
+    for async_scheduling in (False, True):
+        llm = LLM(tiny_model, async_scheduling=async_scheduling, **engine)
+        assert llm.engine.async_scheduling is async_scheduling
+        outputs[async_scheduling] = [
+            (o.token_ids, o.finish_reason, o.prompt_logprobs)
+            for o in llm.generate(prompts, params)]
+        alloc = llm.scheduler.allocators[0]
+        assert alloc.num_used == 0 and alloc.num_free + alloc.num_cached == alloc.num_usable
+    assert outputs[True] == outputs[False]
+    assert outputs[True][5][0] == [42] * 8  # the biased row, decoded with placeholders

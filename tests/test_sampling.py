@@ -12,15 +12,18 @@ from jaxserve.device.sampling import (
     apply_logit_bias,
     apply_penalties,
     argmax,
-    init_penalty_state,
+    init_row_state,
+    record_last,
     record_output,
     record_prompt,
+    resolve_pending,
     token_logprobs,
     top_k,
 )
 from jaxserve.device.sampling import (
     sample as sample_eager,
 )
+from jaxserve.host.plan import pending_token
 
 
 def rows(n, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seeds=None, counters=None,
@@ -139,7 +142,7 @@ def test_logit_bias_adds_to_its_rows_tokens_only():
 
 def test_penalties_follow_vllm_formulas():
     vocab = 6
-    state = init_penalty_state(2, vocab)
+    state = init_row_state(2, vocab)
     params = rows(2, presence=0.5, frequency=0.25, repetition=2.0, num_tokens=2)
     # row 0's prompt holds token 1; row 0 has generated token 2 twice
     params = SamplingTensors(**{
@@ -189,3 +192,19 @@ def test_logprobs_match_log_softmax_at_full_vocabulary():
     ref_values, ref_ids = jax.lax.top_k(jnp.asarray(ref), MAX_LOGPROBS)
     np.testing.assert_array_equal(top_ids, ref_ids)
     np.testing.assert_allclose(top_values, ref_values, rtol=1e-5)
+
+
+def test_a_placeholder_reads_its_rows_last_sampled_token():
+    """Async scheduling: a step planned before the host had the previous step's tokens
+    carries placeholders, which read the token each row last sampled on the device."""
+    state = init_row_state(3, 8)
+    params = rows(3)
+    params = SamplingTensors(**{
+        **{f: getattr(params, f) for f in params.__dataclass_fields__},
+        "rows": np.array([0, 2, 1], np.int32),
+        "samples": np.array([True, True, False]),  # row 1's chunk samples nothing
+    })
+    state = record_last(state, params, jnp.array([5, 7, 6]))
+    np.testing.assert_array_equal(np.asarray(state.last_tokens), [5, 0, 7, 6])  # 3: spare
+    tokens = jnp.array([pending_token(2), 3, pending_token(0), pending_token(1)])
+    np.testing.assert_array_equal(np.asarray(resolve_pending(state, tokens)), [7, 3, 5, 0])

@@ -43,6 +43,7 @@ METRICS = [
     "jaxserve:step_seconds",
     "jaxserve:step_host_seconds",
     "jaxserve:step_device_seconds",
+    "jaxserve:step_device_idle_seconds",
     "jaxserve:prompt_tokens_total",
     "jaxserve:generation_tokens_total",
     "jaxserve:request_success_total",

@@ -43,13 +43,13 @@ from jaxserve.device.kv_cache import (
     storage_name,
 )
 from jaxserve.device.multihost import SCORE, STEP, StepChannel, is_leader
-from jaxserve.device.sampling import init_penalty_state
+from jaxserve.device.sampling import init_row_state
 from jaxserve.device.sharding import DATA, Layout
 from jaxserve.device.step import StepInputs, jit_score, jit_step
 from jaxserve.host.buckets import BucketTable
 from jaxserve.host.page_allocator import NULL_PAGE
 from jaxserve.host.plan import Chunk, StepPlan
-from jaxserve.host.results import RESULT_WIDTH, StepOutput
+from jaxserve.host.results import RESULT_WIDTH, PendingStep, StepOutput
 from jaxserve.models import param_axes
 from jaxserve.models.layers import is_packed
 from jaxserve.pallas_kernels.storage import dequantize
@@ -159,8 +159,8 @@ class ModelRunner:
                self.layout.kv_cache.k_center)),
             k_transposed=k_transposed,
         )
-        self.spare_row = num_rows  # each shard's last penalty row
-        self.penalties = init_penalty_state(
+        self.spare_row = num_rows  # each shard's last row of the row state
+        self.row_state = init_row_state(
             self.num_shards * (num_rows + 1) - 1, cfg.vocab_size
         )
         self.adapter_store = self.adapter_slots = None
@@ -183,7 +183,7 @@ class ModelRunner:
         if self.layout is not None:
             # a no-op for weights loaded into their shardings (loader.load with the mesh)
             self.state = jax.device_put(self.state, self.layout.state)
-            self.penalties = jax.device_put(self.penalties, self.layout.data)
+            self.row_state = jax.device_put(self.row_state, self.layout.data)
         self._weights = jax.tree.leaves(self.state)  # what the jitted calls take
         self._step = jit_step(self.graphdef, self.state, self.layout)
         self._score = jit_score(self.graphdef, self.state, self.layout)
@@ -200,7 +200,10 @@ class ModelRunner:
         self.warm = False
         self.compiles_after_warmup = 0
 
-    def execute(self, plan: StepPlan) -> StepOutput:
+    def launch(self, plan: StepPlan) -> PendingStep:
+        """Dispatch `plan`'s step and return at once: what is returned waits for its
+        results. Steps run in the order they are launched, so the next one may be launched
+        before this one's results are read (async scheduling: see `plan.pending_token`)."""
         if any(c.num_speculative for c in plan.chunks):
             raise NotImplementedError(
                 "the model runner samples one token a row: draft tokens need a verifying step"
@@ -208,13 +211,20 @@ class ModelRunner:
         for slot, adapter in plan.adapter_loads:
             self.write_adapter(slot, adapter)
         if not plan.chunks:  # its requests failed before the step; the writes stand
-            return StepOutput.unpack(np.zeros((0, RESULT_WIDTH), np.float32))
+            return PendingStep(lambda: StepOutput.unpack(np.zeros((0, RESULT_WIDTH), np.float32)))
         # scored before the step, so the K/V the cache keeps are the step's own
         prompt = {
             c.request_id: self._score_chunk(c) for c in plan.chunks if c.score_targets is not None
         }
-        output = self._run(plan.chunks, plan.bucket)
-        return dataclasses.replace(output, prompt_logprobs=prompt) if prompt else output
+        pending = self._launch(plan.chunks, plan.bucket)
+        if not prompt:
+            return pending
+        return dataclasses.replace(
+            pending, output=lambda: dataclasses.replace(pending.output(), prompt_logprobs=prompt))
+
+    def execute(self, plan: StepPlan) -> StepOutput:
+        """`plan`'s step, run to its results."""
+        return self.launch(plan).output()
 
     def write_adapter(self, slot: int, adapter: Adapter | None) -> None:
         """Put `adapter` (None: zeros) into device slot `slot` (1-based)."""
@@ -273,16 +283,28 @@ class ModelRunner:
 
     def _run(self, chunks: Sequence[Chunk], bucket: tuple[int, int]) -> StepOutput:
         """Run `chunks`; results in the chunks' order."""
+        return self._launch(chunks, bucket).output()
+
+    def _launch(self, chunks: Sequence[Chunk], bucket: tuple[int, int]) -> PendingStep:
+        """Dispatch `chunks`' step; what is returned waits for its results, in the chunks'
+        order, `device_seconds` being the dispatch and the wait (the host's part of the
+        time the device computed)."""
         inputs, order = self._pack(chunks, bucket)
+        samples = np.array([c.samples for c in chunks], bool)
         if self.channel is not None:
             self.channel.send(STEP, bucket, inputs)
         start = time.perf_counter()
         results = self.dispatch_step(inputs, bucket)
-        results = np.asarray(jax.device_get(results))
-        device = time.perf_counter() - start  # dispatch, compute and the copy back
-        samples = np.array([c.samples for c in chunks], bool)
-        output = StepOutput.unpack(results[order], samples)
-        return dataclasses.replace(output, device_seconds=device)
+        dispatch = time.perf_counter() - start
+
+        def output() -> StepOutput:
+            start = time.perf_counter()
+            rows = np.asarray(jax.device_get(results))
+            device = dispatch + time.perf_counter() - start
+            output = StepOutput.unpack(rows[order], samples)
+            return dataclasses.replace(output, device_seconds=device)
+
+        return PendingStep(output, results.is_ready)
 
     def _step_pack(self, chunks: list[Chunk], bucket: tuple[int, int]) -> StepInputs:
         num_tokens, num_rows = bucket
@@ -296,9 +318,9 @@ class ModelRunner:
         return _concatenate([self._step_pack([], bucket)] * self.num_shards)
 
     def dispatch_step(self, inputs: StepInputs, bucket: tuple[int, int]) -> jax.Array:
-        args = (self._weights, self.kv_cache, self.penalties, self._global(inputs),
+        args = (self._weights, self.kv_cache, self.row_state, self._global(inputs),
                 self.adapter_slots)
-        results, self.kv_cache, self.penalties = self._executable(
+        results, self.kv_cache, self.row_state = self._executable(
             "step", self._step, bucket, args)(*args)
         return results
 

@@ -7,6 +7,7 @@ the device and is updated inside the step (a row is a stable batch position of
 one running sequence).
 """
 
+import dataclasses
 from dataclasses import dataclass
 
 import jax
@@ -41,42 +42,59 @@ class SamplingTensors:
 
 @jax.tree_util.register_dataclass
 @dataclass(frozen=True, slots=True)
-class PenaltyState:
-    """What the penalties need to know of each row's request so far."""
+class RowState:
+    """What the device keeps of each row's request between steps: what the penalties
+    need to know of it so far, and the last token sampled for it, which the next step
+    reads in place of a token the host does not know yet (async scheduling: step.py)."""
 
     output_counts: jax.Array  # f32[num_rows + 1, vocab] generated-token counts
     prompt_mask: jax.Array  # bool[num_rows + 1, vocab] tokens present in the prompt
+    last_tokens: jax.Array  # i32[num_rows + 1] each row's last sampled token
 
 
-def init_penalty_state(num_rows: int, vocab_size: int) -> PenaltyState:
+def init_row_state(num_rows: int, vocab_size: int) -> RowState:
     """Zeroed state; the last row is a spare that padding rows read and write."""
     shape = (num_rows + 1, vocab_size)
-    return PenaltyState(jnp.zeros(shape, jnp.float32), jnp.zeros(shape, bool))
+    return RowState(jnp.zeros(shape, jnp.float32), jnp.zeros(shape, bool),
+                    jnp.zeros(num_rows + 1, jnp.int32))
 
 
 def record_prompt(
-    state: PenaltyState, params: SamplingTensors, token_ids: jax.Array
-) -> PenaltyState:
+    state: RowState, params: SamplingTensors, token_ids: jax.Array
+) -> RowState:
     """Clear the penalty rows of requests that start now, then mark this step's prompt tokens."""
     spare = state.output_counts.shape[0] - 1
     cleared = jnp.where(params.first_chunk, params.rows, spare)
     counts = state.output_counts.at[cleared].set(0.0)
     mask = state.prompt_mask.at[cleared].set(False)
-    return PenaltyState(counts, mask.at[params.prompt_rows, token_ids].set(True))
+    return dataclasses.replace(state, output_counts=counts,
+                               prompt_mask=mask.at[params.prompt_rows, token_ids].set(True))
 
 
 def record_output(
-    state: PenaltyState, params: SamplingTensors, tokens: jax.Array
-) -> PenaltyState:
+    state: RowState, params: SamplingTensors, tokens: jax.Array
+) -> RowState:
     """Count each sampled token of rows that sample."""
     spare = state.output_counts.shape[0] - 1
     rows = jnp.where(params.samples, params.rows, spare)
-    return PenaltyState(state.output_counts.at[rows, tokens].add(1.0), state.prompt_mask)
+    return dataclasses.replace(state, output_counts=state.output_counts.at[rows, tokens].add(1.0))
+
+
+def record_last(state: RowState, params: SamplingTensors, tokens: jax.Array) -> RowState:
+    """Keep each sampled token of rows that sample as their last."""
+    rows = jnp.where(params.samples, params.rows, state.last_tokens.shape[0] - 1)
+    return dataclasses.replace(state, last_tokens=state.last_tokens.at[rows].set(tokens))
+
+
+def resolve_pending(state: RowState, token_ids: jax.Array) -> jax.Array:
+    """The step's token ids with each placeholder (`plan.pending_token(row)`: a token the
+    host had not received when it planned the step) replaced by that row's last sampled token."""
+    return jnp.where(token_ids < 0, state.last_tokens[jnp.maximum(-1 - token_ids, 0)], token_ids)
 
 
 def apply_penalties(
     logits: jax.Array,  # f32[num_rows, vocab]
-    state: PenaltyState,
+    state: RowState,
     params: SamplingTensors,
 ) -> jax.Array:
     """vLLM's penalties: repetition (prompt and output tokens), presence and frequency (output)."""

@@ -151,7 +151,7 @@ class Layout:
     state: nnx.State  # NamedSharding per parameter, shaped like the model state
     kv_cache: KVCache  # NamedSharding of k and of v (and of their scales and centers, if any)
     replicated: NamedSharding  # results, and the inputs of forward passes outside the step
-    data: NamedSharding  # axis 0 over "data": step inputs and the penalty state
+    data: NamedSharding  # axis 0 over "data": step inputs and the row state
     adapters: object = None  # the LoRA adapter slots' NamedShardings, when served
 
     @staticmethod

@@ -1,13 +1,16 @@
 """The jitted device computations: a forward pass over a flat batch, and forward + sample.
 
 Model weights enter as an NNX (graphdef, state) pair split once, so each call is a
-plain `jax.jit` of a pure function. The KV cache and the penalty state are donated
-and updated in place. The step's results leave the device as one array.
+plain `jax.jit` of a pure function. The KV cache and the row state (penalty records,
+last tokens) are donated and updated in place. The step's results leave the device as
+one array. A step may be planned before the host has the previous step's tokens (async
+scheduling): a decode row then carries a placeholder, which the step replaces with the
+token its previous step sampled for that row, still on the device.
 
 `_score` is the forward pass of one prompt chunk with logits at every token, for
 prompt logprobs. `jit_step` and `jit_score` compile `_step` and `_score` for one model, on one
 device or, given a `sharding.Layout`, for its mesh: weights and KV as its rules
-say; the step's inputs and penalty state split over the data shards (each shard
+say; the step's inputs and row state split over the data shards (each shard
 runs its own batch); results replicated, so every process of a multi-host mesh
 reads the same tokens. `forward` and `sharded_forward` (tests and benchmarks)
 run one batch, the latter replicated over the whole pool.
@@ -26,14 +29,16 @@ from jaxserve.device.adapters import AdapterBatch, AdapterSlots
 from jaxserve.device.attention import AttentionMetadata
 from jaxserve.device.kv_cache import KVCache
 from jaxserve.device.sampling import (
-    PenaltyState,
+    RowState,
     SamplingTensors,
     any_logit_bias,
     any_penalty,
     apply_logit_bias,
     apply_penalties,
+    record_last,
     record_output,
     record_prompt,
+    resolve_pending,
     sample,
     token_logprobs,
 )
@@ -77,18 +82,19 @@ def _step(
     graphdef: nnx.GraphDef,
     state: nnx.State,
     kv_cache: KVCache,
-    penalties: PenaltyState,
+    row_state: RowState,
     inputs: StepInputs,
     slots: AdapterSlots | None = None,
-) -> tuple[jax.Array, KVCache, PenaltyState]:
+) -> tuple[jax.Array, KVCache, RowState]:
     """One forward pass; sample the next token of every row and score it. `slots`: the
     LoRA adapters' slots, when adapters are served.
 
     Returns f32[num_rows, RESULT_WIDTH] results (laid out as `StepResults` reads
-    them), the cache and the penalty state.
+    them), the cache and the row state.
     """
+    token_ids = resolve_pending(row_state, inputs.token_ids)
     logits, kv_cache = _forward(
-        graphdef, state, kv_cache, inputs.token_ids, inputs.positions, inputs.metadata,
+        graphdef, state, kv_cache, token_ids, inputs.positions, inputs.metadata,
         _batch(slots, inputs.adapters),
     )
     params = inputs.sampling
@@ -99,21 +105,21 @@ def _step(
     # only rows with a penalty read the penalty records: in a step without one they
     # are left alone (keeping them costs every row of the step)
     active = any_penalty(params)
-    penalized, penalties = jax.lax.cond(
-        active, _penalize, lambda lg, pn, *_: (lg, pn), biased, penalties, params,
-        inputs.token_ids,
+    penalized, row_state = jax.lax.cond(
+        active, _penalize, lambda lg, pn, *_: (lg, pn), biased, row_state, params, token_ids,
     )
     tokens = sample(penalized, params)
-    penalties = jax.lax.cond(active, record_output, lambda pn, *_: pn, penalties, params, tokens)
-    return _results(logits, tokens, params.logprobs), kv_cache, penalties
+    row_state = jax.lax.cond(active, record_output, lambda pn, *_: pn, row_state, params, tokens)
+    row_state = record_last(row_state, params, tokens)
+    return _results(logits, tokens, params.logprobs), kv_cache, row_state
 
 
 def _penalize(
-    logits: jax.Array, penalties: PenaltyState, params: SamplingTensors, token_ids: jax.Array
-) -> tuple[jax.Array, PenaltyState]:
+    logits: jax.Array, row_state: RowState, params: SamplingTensors, token_ids: jax.Array
+) -> tuple[jax.Array, RowState]:
     """Record this step's prompt tokens, then apply every row's penalties."""
-    penalties = record_prompt(penalties, params, token_ids)
-    return apply_penalties(logits, penalties, params), penalties
+    row_state = record_prompt(row_state, params, token_ids)
+    return apply_penalties(logits, row_state, params), row_state
 
 
 def _score(
@@ -166,16 +172,16 @@ forward = jax.jit(_forward, static_argnums=0, donate_argnums=2)
 
 
 def jit_step(graphdef: nnx.GraphDef, state: nnx.State, layout: Layout | None = None) -> Callable:
-    """`_step` jitted for this model: called as (weights, kv_cache, penalties, inputs,
+    """`_step` jitted for this model: called as (weights, kv_cache, row_state, inputs,
     slots), `weights` the state's leaves (`jax.tree.leaves(state)`), `slots` the adapter
     slots (None when no adapters are served).
 
     The model's structure is bound here rather than passed at every call: hashing a
     GraphDef and flattening an nnx.State cost ~1.4 ms of host time a step.
     With `layout`, for its mesh: the inputs are the data shards' packed batches end
-    to end and the penalty state the shards' rows end to end (both sharded over
+    to end and the row state the shards' rows end to end (both sharded over
     "data"); under `shard_map` each shard runs `_step` on its own batch, pages and
-    penalty rows, with page ids local to its pool. Results come back replicated,
+    rows' state, with page ids local to its pool. Results come back replicated,
     shard after shard.
     """
     fn = _bound(_step, graphdef, state)

@@ -3,9 +3,17 @@
 The engine holds no device state itself: a runner (the jitted model, or a fake
 in tests) turns a step plan into accepted tokens. Post-processing walks the plan's
 rows once: each accepted token is appended to its request record (which decides
-whether it stops), the record's computed count advances, its output is pushed, and a
-finished request is freed. The loop never waits on a consumer: the outputs of one
+whether it stops), the scheduler takes the row's results in, its output is pushed, and
+a finished request is freed. The loop never waits on a consumer: the outputs of one
 that falls behind are merged in its stream (see stream.py), never refused.
+
+Async scheduling (`async_scheduling`, vLLM's name): step N+1 is planned and launched
+before step N's results are read, so the host's work (post-processing N, planning and
+packing N+1) runs while the device computes. A decode row then carries a placeholder
+for the token step N samples, which the device fills in (`plan.pending_token`). The
+costs: a request that stops (EOS, a stop string) at step N still has its row computed
+in step N+1, its output dropped; and its row and pages return to the pool once step
+N+1 has run, one step later than without.
 
 Speculative decoding has its path here: a `Proposer`, if given, drafts tokens for each
 decoding request after every step; the scheduler plans them after the request's last
@@ -31,7 +39,7 @@ from jaxserve.host import faults
 from jaxserve.host.output_text import OutputText
 from jaxserve.host.plan import StepPlan
 from jaxserve.host.request import Request, check_logit_bias
-from jaxserve.host.results import StepOutput, StepTime
+from jaxserve.host.results import PendingStep, StepOutput, StepTime
 from jaxserve.host.scheduler import Scheduler
 from jaxserve.host.stream import OutputStream, RequestOutput, notify
 
@@ -45,8 +53,19 @@ class EngineFailed(RuntimeError):
 
 
 class Runner(Protocol):
-    def execute(self, plan: StepPlan) -> StepOutput:
-        """Per chunk of `plan`, in order: the tokens it accepted (none if it samples none)."""
+    def launch(self, plan: StepPlan) -> PendingStep:
+        """Start `plan`'s step, whose output gives, per chunk of `plan`, in order, the
+        tokens it accepted (none if it samples none). Steps run in launch order."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Launched:
+    """A step launched and not yet taken in."""
+
+    plan: StepPlan
+    pending: PendingStep
+    started: float  # monotonic time of its launch (the watchdog's clock)
+    request_ids: frozenset[str]
 
 
 class Proposer(Protocol):
@@ -80,7 +99,11 @@ class Engine:
         on_step: Callable[[StepPlan, StepTime], None] | None = None,
         debug_checks: bool = False,
         proposer: Proposer | None = None,
+        async_scheduling: bool = False,
     ):
+        if async_scheduling and proposer is not None:
+            raise ValueError("async scheduling plans steps before their drafts are known: "
+                             "it does not go with a proposer")
         self.runner = runner
         self.scheduler = scheduler
         self.tokenizer = tokenizer
@@ -89,6 +112,14 @@ class Engine:
         self.on_step = on_step
         self.debug_checks = debug_checks
         self.proposer = proposer
+        self.async_scheduling = async_scheduling
+        self._launched: _Launched | None = None  # with async scheduling: the step in flight
+        # (step, request id) of requests ended while that step computes their row: freed
+        # once it has run
+        self._deferred_frees: list[tuple[int, str]] = []
+        # perf_counter from which the step in flight may be the last the device has: when
+        # the step before it was read, or its own launch if none was in flight
+        self._idle_from = 0.0
         self.requests: dict[str, Request] = {}  # submitted and not yet finished
         self._inbox: list[Request] = []
         self._cancels: set[str] = set()
@@ -174,10 +205,12 @@ class Engine:
     # ---------------------------------------------------------------- the loop
 
     def has_work(self) -> bool:
-        return bool(self.scheduler.running or self.scheduler.waiting or self._inbox)
+        return bool(self.scheduler.running or self.scheduler.waiting or self._inbox
+                    or self._launched)
 
     def step(self) -> StepPlan:
-        """One iteration: take in new and cancelled requests, schedule, run, post-process."""
+        """One iteration: take in new and cancelled requests, schedule, launch, then take
+        in a step's results (this one's, or with async scheduling the one before)."""
         start = time.perf_counter()
         self._take_inbox()
         plan = self.scheduler.schedule()
@@ -186,26 +219,54 @@ class Engine:
             self.requests[request_id].admitted_time = now
             self._admissions.append(now)
         plan = self._set_up_sampling(plan)
-        if not plan.chunks and not plan.adapter_loads:
-            return plan
-        self._steps += 1
-        self._step_started = time.monotonic()
-        faults.before_step(self._steps)
-        output = self.runner.execute(plan)
-        self._step_started = None
-        self._postprocess(plan, output)
+        launched = None
+        idle = 0.0  # async: host time the device spent with nothing to run (StepTime)
+        if plan.chunks or plan.adapter_loads:
+            self._steps += 1
+            now = time.monotonic()
+            if self._step_started is None:
+                self._step_started = now
+            faults.before_step(self._steps)
+            if self._launched is not None and self._launched.pending.done():
+                idle = time.perf_counter() - self._idle_from
+            launched = _Launched(plan, self.runner.launch(plan), now,
+                                 frozenset(c.request_id for c in plan.chunks))
+            if self._launched is None:
+                self._idle_from = time.perf_counter()
+        if self.async_scheduling:
+            launched, self._launched = self._launched, launched
+        if launched is not None:
+            self._take_in(launched, start, idle)
+        return plan
+
+    def _take_in(self, launched: _Launched, start: float, idle: float) -> None:
+        """Wait for a launched step's results, post-process them, and free what waited on
+        it; `idle`: the device's idle time this iteration, with async scheduling."""
+        self._step_started = launched.started
+        output = launched.pending.output()
+        self._idle_from = time.perf_counter()
+        self._step_started = None if self._launched is None else self._launched.started
+        self._postprocess(launched.plan, output)
+        step = launched.plan.step
+        freeable = [r for s, r in self._deferred_frees if s <= step]
+        self._deferred_frees = [(s, r) for s, r in self._deferred_frees if s > step]
+        for request_id in freeable:
+            self.scheduler.finish(request_id)
         if self.debug_checks:
             self.scheduler.check_invariants()
         if self.on_step is not None:
             seconds = time.perf_counter() - start
             device = output.device_seconds
-            self.on_step(plan, StepTime(seconds - device, device))
-        return plan
+            host = seconds - device
+            self.on_step(launched.plan,
+                         StepTime(host, device, idle if self.async_scheduling else host))
 
     def _postprocess(self, plan: StepPlan, output: StepOutput) -> None:
         """Each row once: append its accepted tokens, advance, emit, free if finished."""
         for request_id, scores in output.prompt_logprobs.items():
-            request = self.requests[request_id]
+            request = self.requests.get(request_id)
+            if request is None:  # ended while its step ran
+                continue
             try:
                 self._gather_prompt_logprobs(request, scores)
             except Exception:
@@ -324,10 +385,15 @@ class Engine:
         self._tell(request)
 
     def _free(self, request: Request) -> None:
-        """Free a finished request's row and pages (once: it leaves `requests`)."""
+        """Free a finished request's row and pages (once: it leaves `requests`); while a
+        step in flight computes its row, once that step has run."""
         if self.requests.pop(request.request_id, None) is not None:
-            self.scheduler.finish(request.request_id)
             self.num_finished[request.finish_reason] += 1
+            launched = self._launched
+            if launched is not None and request.request_id in launched.request_ids:
+                self._deferred_frees.append((launched.plan.step, request.request_id))
+            else:
+                self.scheduler.finish(request.request_id)
 
     @staticmethod
     def _tell(request: Request) -> None:
@@ -432,5 +498,9 @@ class Engine:
         with self._lock:
             self.failure = self.failure or reason  # the first cause is the one to tell
             self._stopping = True
+        self._launched = None  # never taken in: what waited on it is freed now
         for request_id in list(self.requests):
             self._stop(request_id, "error")
+        for _, request_id in self._deferred_frees:
+            self.scheduler.finish(request_id)
+        self._deferred_frees = []

@@ -19,6 +19,12 @@ from jaxserve.config import SamplingParams
 GREEDY = SamplingParams(temperature=0.0)
 
 
+def pending_token(row: int) -> int:
+    """The token id that stands for row `row`'s token sampled by a step still in flight
+    (async scheduling): the step reads that row's last sampled token in its place."""
+    return -1 - row
+
+
 @dataclass(slots=True)
 class Chunk:
     """One row's work this step: tokens to compute from `start`, and how to sample after.

@@ -33,7 +33,10 @@ class Request:
     row: int | None = None  # its batch row (indexes per-row device state); None: waiting
     adapter_slot: int = 0  # the device slot holding its adapter, from admission on
     pages: tuple[int, ...] = ()  # reserved at admission for its maximum length
-    num_computed: int = 0  # tokens whose K/V are in the cache
+    num_computed: int = 0  # tokens whose K/V are in the cache, or computed by a planned step
+    # tokens sampled by planned steps whose results the engine has not read yet (async
+    # scheduling: up to 2, the step in flight's and the one just planned)
+    num_pending: int = 0
     num_cached_tokens: int = 0  # prompt tokens reused from the prefix cache
     num_registered_pages: int = 0  # leading full pages recorded as cached content
     last_page_key: bytes | None = None  # the key of the last of them, once one is computed
@@ -55,6 +58,11 @@ class Request:
     @property
     def max_total_tokens(self) -> int:
         return len(self.prompt_ids) + self.params.max_tokens
+
+    @property
+    def num_tokens(self) -> int:
+        """Its tokens, those sampled by steps in flight included."""
+        return len(self.token_ids) + self.num_pending
 
     @property
     def num_generated(self) -> int:

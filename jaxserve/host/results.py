@@ -6,6 +6,7 @@ A row accepts nothing (a prefill chunk that does not reach its last token), one 
 agrees with and the token sampled after the last of them: up to k = 1 + drafts.
 """
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -55,13 +56,26 @@ class StepOutput:
 
 
 @dataclass(frozen=True, slots=True)
+class PendingStep:
+    """A launched step: `output()` waits for its results; `done()` says, without waiting,
+    whether the device has finished it."""
+
+    output: Callable[[], StepOutput]
+    done: Callable[[], bool] = lambda: True
+
+
+@dataclass(frozen=True, slots=True)
 class StepTime:
-    """Where one engine step's time went: waiting on the device, and everything else
+    """Where one engine iteration's time went: waiting on the device, and everything else
     (take in, schedule, pack, transfer, unpack, post-process, emit), which on a GPU is
-    most of a small model's step."""
+    most of a small model's step. `device_idle_seconds` bounds from above how long the
+    device had nothing to run meanwhile: all of the host's time when each step is planned
+    after the one before is read; with async scheduling only the host time before a
+    launch that found the step before already finished."""
 
     host_seconds: float
     device_seconds: float
+    device_idle_seconds: float = 0.0
 
     @property
     def seconds(self) -> float:

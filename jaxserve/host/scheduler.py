@@ -28,10 +28,14 @@ padded to one common bucket, since the shards run one step together.
 One progress rule covers prefill, chunked prefill and decode: a request's
 computed tokens catch up with its tokens. Each step a running request gets a
 chunk of its not-yet-computed tokens; when the chunk reaches its last token, the
-step samples the next one. A decoding request with draft tokens (speculative
-decoding) carries them after its last token, as far as the token budget and its
-pages allow. Admission reserves the request's maximum pages,
-ceil((prompt + max_tokens) / page_size), and never preempts a running request.
+step samples the next one. A chunk counts as computed once planned, and the token it
+samples as pending until the engine appends it (`advance`): so the next step can be
+planned while this one runs (async scheduling), a decode of a pending token carrying a
+placeholder (`plan.pending_token`) that the device fills in. A request whose pending
+tokens reach its max_tokens, or that has finished, is planned no more. A decoding
+request with draft tokens (speculative decoding) carries them after its last token, as
+far as the token budget and its pages allow. Admission reserves the request's maximum
+pages, ceil((prompt + max_tokens) / page_size), and never preempts a running request.
 
 LoRA adapters: a request with an adapter is admitted only once its adapter has a device
 slot, or can take one (`adapters.SlotTable`): like its pages, a slot it cannot get makes
@@ -49,7 +53,7 @@ from dataclasses import dataclass, field
 from jaxserve.host.adapters import SlotTable
 from jaxserve.host.buckets import BucketTable
 from jaxserve.host.page_allocator import PageAllocator, page_keys
-from jaxserve.host.plan import Chunk, StepPlan
+from jaxserve.host.plan import Chunk, StepPlan, pending_token
 from jaxserve.host.request import Request, RequestRejected
 
 ACTIVE_WINDOW_S = 30.0  # a tenant that sent a request this recently shares the batch
@@ -176,13 +180,14 @@ class Scheduler:
     def _plan(self, shard: int) -> list[Chunk]:
         """One shard's chunks: every decode (with what drafts the budget leaves room for),
         then prefill chunks in the budget, in admission's order (see the module docstring)."""
-        running = [r for r in self.running.values() if r.shard == shard]
+        running = [r for r in self.running.values() if r.shard == shard and not r.finished
+                   and r.num_generated + r.num_pending < r.params.max_tokens]
         decoding = [r for r in running if not r.in_prefill]
         budget = self.token_budget - len(decoding)  # a decode's own token comes first
         chunks = []
         for request in decoding:  # decodes first: they must not wait on prefills
             # drafts fit the budget and the request's pages (its maximum length)
-            room = request.max_total_tokens - len(request.token_ids)
+            room = request.max_total_tokens - request.num_tokens
             drafts = request.spec_token_ids[: max(0, min(budget, room))]
             chunks.append(self._chunk(request, 1, drafts))
             budget -= len(drafts)
@@ -192,7 +197,7 @@ class Scheduler:
         for request in prefilling:
             if budget <= 0:
                 break
-            n = min(len(request.token_ids) - request.num_computed, budget)
+            n = min(request.num_tokens - request.num_computed, budget)
             chunks.append(self._chunk(request, n))
             budget -= n
         return chunks
@@ -271,7 +276,7 @@ class Scheduler:
             if not fits:
                 continue
             backlog = sum(
-                len(r.token_ids) - r.num_computed for r in self.running.values() if r.shard == shard
+                r.num_tokens - r.num_computed for r in self.running.values() if r.shard == shard
             )
             uncached = len(request.prompt_ids) - len(cached) * self.page_size
             key = (backlog + uncached, -allocator.num_free)
@@ -295,7 +300,8 @@ class Scheduler:
 
     @staticmethod
     def _chunk(request: Request, n: int, drafts: tuple[int, ...] = ()) -> Chunk:
-        """The plain-data row for `request`'s next `n` tokens (and `drafts` after them)."""
+        """The plain-data row for `request`'s next `n` tokens (and `drafts` after them),
+        counted as computed from now on (see the module docstring)."""
         start = request.num_computed
         end = start + n
         prompt = request.in_prefill
@@ -303,16 +309,20 @@ class Scheduler:
         if prompt and request.params.prompt_logprobs is not None:
             following = request.prompt_ids[start + 1 : end + 1]
             targets = following + (0,) * (n - len(following))  # none after the last
-        return Chunk(
-            tuple(request.token_ids[start:end]) + drafts,
+        tokens = tuple(request.token_ids[start:end])
+        if len(tokens) < n:  # a decode of the token a step in flight samples
+            tokens = (pending_token(request.row),)
+        samples = end == request.num_tokens
+        chunk = Chunk(
+            tokens + drafts,
             start,
             request.pages,
             request.params,
             seed=request.seed,
-            num_generated=request.num_generated,
+            num_generated=request.num_generated + request.num_pending,
             row=request.row,
             is_prompt=prompt,
-            samples=end == len(request.token_ids),
+            samples=samples,
             first=start == request.num_cached_tokens,
             request_id=request.request_id,
             shard=request.shard,
@@ -320,19 +330,25 @@ class Scheduler:
             score_targets=targets,
             adapter_slot=request.adapter_slot,
         )
+        request.num_computed = end
+        request.num_pending += samples
+        return chunk
 
     def advance(self, request: Request, chunk: Chunk, num_appended: int) -> None:
-        """Count `chunk`'s K/V as computed, after the engine appended `num_appended` of the
-        step's tokens to `request`: its real tokens, and the drafts accepted (every token
-        appended but the one sampled after them)."""
-        accepted_drafts = max(0, num_appended - 1) if chunk.num_speculative else 0
-        request.num_computed += len(chunk.token_ids) - chunk.num_speculative + accepted_drafts
+        """Take in `chunk`'s results, after the engine appended `num_appended` of the
+        step's tokens to `request`: its sampled token is no longer pending, and the drafts
+        accepted (every token appended but the one sampled after them) count as computed."""
+        request.num_pending -= chunk.samples
+        if chunk.num_speculative:
+            request.num_computed += max(0, num_appended - 1)
         if self.prefix_caching:
             self._register_full_pages(request)
 
     def _register_full_pages(self, request: Request) -> None:
         """Record each newly completed full page as cached content, for later requests."""
-        full = request.num_computed // self.page_size
+        # the tokens of pages a step in flight computes are known: their reader's step
+        # comes after it
+        full = min(request.num_computed, len(request.token_ids)) // self.page_size
         if full <= request.num_registered_pages:
             return
         done, size = request.num_registered_pages, self.page_size
