@@ -67,12 +67,12 @@ def main() -> None:
 
     engines = {
         mode: LLM(args.model, max_batch=args.max_batch, max_model_len=1024,
-                  async_scheduling=on, compilation_cache_dir=".cache/jax")
+                  async_scheduling=on, compilation_cache_dir=".cache/jax", warmup=True)
         for mode, on in MODES.items()
     }
     prompts = workload(args.requests, engines["sync"].config.vocab_size)
-    for llm in engines.values():  # a first run of each, untimed: the first touches the
-        run(llm, prompts, args.max_tokens)  # KV pool's memory (~1.9x slower than the next)
+    for llm in engines.values():  # a first run of each, untimed (steady state only)
+        run(llm, prompts, args.max_tokens)
     runs = {mode: [] for mode in MODES}
     tokens = {}
     progress = Progress()
