@@ -75,15 +75,20 @@ def record_output(
     state: RowState, params: SamplingTensors, tokens: jax.Array
 ) -> RowState:
     """Count each sampled token of rows that sample."""
-    spare = state.output_counts.shape[0] - 1
-    rows = jnp.where(params.samples, params.rows, spare)
+    rows = _sampling_rows(state, params)
     return dataclasses.replace(state, output_counts=state.output_counts.at[rows, tokens].add(1.0))
 
 
 def record_last(state: RowState, params: SamplingTensors, tokens: jax.Array) -> RowState:
     """Keep each sampled token of rows that sample as their last."""
-    rows = jnp.where(params.samples, params.rows, state.last_tokens.shape[0] - 1)
+    rows = _sampling_rows(state, params)
     return dataclasses.replace(state, last_tokens=state.last_tokens.at[rows].set(tokens))
+
+
+def _sampling_rows(state: RowState, params: SamplingTensors) -> jax.Array:
+    """Each batch row's state row if it samples, else the spare (the last), which takes
+    the writes of rows whose token counts for nothing."""
+    return jnp.where(params.samples, params.rows, state.last_tokens.shape[0] - 1)
 
 
 def resolve_pending(state: RowState, token_ids: jax.Array) -> jax.Array:
