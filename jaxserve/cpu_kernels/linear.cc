@@ -85,6 +85,16 @@ struct LineAligned {
 template <typename T>
 using AlignedVector = std::vector<T, LineAligned<T>>;
 
+// A buffer of this thread's, grown to `size` and never shrunk (a 16-row decode step makes
+// ~150 kernel calls, whose fresh buffers' allocation and zero-fill were ~1-2 % of it), its
+// first `size` zeroed only when `zero` (padding that its writer leaves).
+template <typename T>
+T* Grown(AlignedVector<T>& buffer, size_t size, bool zero) {
+  if (buffer.size() < size) buffer.resize(size);
+  if (zero) std::fill_n(buffer.data(), size, T{0});
+  return buffer.data();
+}
+
 struct TileConfig {
   uint8_t palette_id = 1;
   uint8_t start_row = 0;
@@ -369,14 +379,13 @@ AVX512_BF16 void WidenQ41(const uint8_t* w, int64_t tiles, uint16_t* out) {
 // weight, measured 1.1-1.2x the time of this on a Zen 5: its prefetches did not keep ahead
 // of it.)
 AVX512_BF16 Problem Widened(const Problem& p, const uint8_t* w, int64_t b0, int64_t b1) {
+  // (a buffer resized to each item's size zero-filled what WidenQ41 then overwrites, as
+  // projections of other depths took turns on a thread: 1.4 % of a 16-row decode step)
   thread_local AlignedVector<uint16_t> widened;
-  // grown, never shrunk: projections of other depths take turns on a thread, and each
-  // resize up zero-filled what WidenQ41 then overwrites (1.4 % of a 16-row decode step)
-  const size_t size = (b1 - b0) * p.k_blocks * kTile;
-  if (widened.size() < size) widened.resize(size);
-  WidenQ41(w + b0 * p.k_blocks * kQ4Tile, (b1 - b0) * p.k_blocks, widened.data());
+  uint16_t* out = Grown(widened, (b1 - b0) * p.k_blocks * kTile, false);
+  WidenQ41(w + b0 * p.k_blocks * kQ4Tile, (b1 - b0) * p.k_blocks, out);
   Problem part = p;
-  part.w = widened.data();
+  part.w = out;
   part.y = p.y + b0 * kCols;
   part.n_blocks = b1 - b0;
   return part;
@@ -568,8 +577,10 @@ ffi::Error Linear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<kWe
     return ffi::Error::Internal("amx linear: the kernel refused AMX's tile state");
   if (m == 0) return ffi::Error::Success();
   const int64_t m_blocks = (m + kRows - 1) / kRows, depth = k_blocks * kDepth;
-  // x as the kernels take it: int8 blocks (passes 0, Q4_1 only), or bf16 (hi, and lo)
-  AlignedVector<uint16_t> hi, lo;
+  // x as the kernels take it: int8 blocks (passes 0, Q4_1 only), or bf16 (hi, and lo) in
+  // this thread's buffers (the pool's tasks read them before this call returns)
+  thread_local AlignedVector<uint16_t> hi, lo;
+  uint16_t* x_hi = nullptr;
   std::vector<int8_t> q8;
   std::vector<float> d8, s8;
   Int8Rows int8{};
@@ -584,18 +595,17 @@ ffi::Error Linear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<kWe
       int8 = {q8.data(), d8.data(), s8.data(), k_blocks};
     }
   } else {
-    hi.assign(m_blocks * kRows * depth, 0);
-    if (passes == 2) {
-      lo.assign(hi.size(), 0);
-      x_lo = lo.data();
-    }
-    Split(x.typed_data(), m, k, depth, isa == Isa::kAmx, hi.data(), x_lo);
+    const size_t size = m_blocks * kRows * depth;
+    const bool padded = m % kRows != 0 || k % kDepth != 0;  // else Split writes it all
+    x_hi = Grown(hi, size, padded);
+    if (passes == 2) x_lo = Grown(lo, size, padded);
+    Split(x.typed_data(), m, k, depth, isa == Isa::kAmx, x_hi, x_lo);
   }
   const uint16_t* w16 = nullptr;  // a bf16 weight's layer, or a Q4_1 one's
   const uint8_t* w8 = nullptr;
   if constexpr (kQ41) w8 = w.typed_data() + l * n_blocks * k_blocks * kQ4Tile;
   else w16 = w.typed_data() + l * n_blocks * k_blocks * kTile;
-  const Problem p{hi.data(), x_lo, w16, y->typed_data(), m, n_blocks * kCols, m_blocks,
+  const Problem p{x_hi, x_lo, w16, y->typed_data(), m, n_blocks * kCols, m_blocks,
                   n_blocks, k_blocks};
   if (isa == Isa::kAmx && !int8.q) {  // int8 activations take AVX512-VNNI's loop below
     const int64_t items = (n_blocks + kItemBlocks - 1) / kItemBlocks;
