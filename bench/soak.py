@@ -28,11 +28,15 @@ Every --sample-every s: the server process's RSS, open file descriptors and thre
 the TTFT p50/p99 of the streamed requests (normal and probe).
 
 Checks (exit status 1 when one fails):
-- rss: the RSS floor grows under --max-rss-mib-per-min past --warmup: the least-squares
-  slope of the smallest RSS sampled in each burst period. The allocator swings RSS by
-  10-40 MiB within a period (each burst's buffers, freed but not all returned), so a
-  slope through every sample carries ±1.5 MiB/min of noise over 5 minutes (measured: the
-  same server gave -1.1 to +6.5); a leak raises the floor that each period returns to.
+- rss: what the server keeps grows under --max-rss-mib-per-min past --warmup: the
+  Theil-Sen slope (the median of the slopes between every two points) of its RSS at the
+  quiet points. At a quiet point the load pauses (no new request of any kind) until the
+  engine runs and queues nothing, then the RSS's minimum over --quiet s (past the
+  server's 10 s heap trim) is taken: one when warm-up ends, one every --quiet-every s,
+  one after the load. Under load RSS follows what the requests hold: the main heap moved
+  by ±12 MiB for tens of seconds at a time (measured, /proc/PID/smaps), so the slope of
+  each burst period's RSS floor (still reported, not checked) read 0.03 to 2.82 MiB/min
+  over 5 minutes with no trend behind it; a leak is what stays once the requests are gone.
 - fds, threads: back to their idle counts (before the load) within 30 s of its end,
   once the client has closed its connections.
 - unexpected: none of 5xx (a status, or an error event in a stream), a bad input
@@ -47,6 +51,7 @@ a plot (`soak.png`) beside --out.
 
 import argparse
 import asyncio
+import itertools
 import json
 import os
 import random
@@ -96,6 +101,11 @@ class Mix:
     slow_s: float = 15.0
     burst_every_s: float = 30.0
     burst: int = 48
+    # a quiet point: the load paused until the engine is idle, then the RSS's minimum over
+    # quiet_s (past the server's --heap-trim-interval-s, so that a trim runs while idle);
+    # one when warm-up ends, one every quiet_every_s after it, and one after the load
+    quiet_every_s: float = 60.0
+    quiet_s: float = 12.0
     max_rss_mib_per_min: float = 1.0
     max_ttft_growth: float = 1.2
     timeout_s: float = 120.0  # per request
@@ -142,6 +152,16 @@ class Sample:
     rss_anon_mib: float | None = None  # the anonymous part of RSS (heap, XLA's buffers)
 
 
+@dataclass
+class QuietPoint:
+    """The server's RSS once idle: what it keeps, without what its requests held."""
+
+    t: float  # when the load paused
+    rss_mib: float  # the smallest over the idle time
+    rss_anon_mib: float
+    drained_s: float  # how long the engine took to become idle
+
+
 # ---------------------------------------------------------------- pure parts
 
 
@@ -151,6 +171,15 @@ def slope_per_minute(points: list[tuple[float, float]]) -> float | None:
         return None
     t, v = np.array(points, dtype=float).T
     return float(np.polyfit(t, v, 1)[0] * 60)
+
+
+def trend_per_minute(points: list[tuple[float, float]]) -> float | None:
+    """Theil-Sen slope of (seconds, value) points, in value per minute: the median of the
+    slopes between every two points, so a steady growth reads as itself and one point
+    off the line (RSS held at one quiet point by something then let go) moves it little."""
+    slopes = [(v1 - v0) / (t1 - t0) * 60 for (t0, v0), (t1, v1)
+              in itertools.combinations(sorted(points), 2) if t1 > t0]
+    return float(np.median(slopes)) if slopes else None
 
 
 def rss_floors(samples: list[Sample], warmup_s: float, duration_s: float, period_s: float,
@@ -232,17 +261,18 @@ def ttft_thirds(events: list[Event], warmup_s: float, duration_s: float
 
 
 def checks(mix: Mix, events: list[Event], samples: list[Sample], idle: Sample,
-           final: Sample) -> dict[str, dict]:
+           final: Sample, quiet: list[QuietPoint]) -> dict[str, dict]:
     """Each acceptance check: its figures and whether it passed."""
-    slope = slope_per_minute(rss_floors(samples, mix.warmup_s, mix.duration_s,
+    slope = trend_per_minute([(p.t, p.rss_mib) for p in quiet])
+    anon = trend_per_minute([(p.t, p.rss_anon_mib) for p in quiet])
+    floor = slope_per_minute(rss_floors(samples, mix.warmup_s, mix.duration_s,
                                         mix.burst_every_s))
-    anon = slope_per_minute(rss_floors(samples, mix.warmup_s, mix.duration_s,
-                                       mix.burst_every_s, "rss_anon_mib"))
     early, late = ttft_thirds(events, mix.warmup_s, mix.duration_s)
     unexpected = [e for e in events if e.unexpected]
     return {
         "rss": {"mib_per_min": slope, "anon_mib_per_min": anon,
-                "limit": mix.max_rss_mib_per_min,
+                "quiet_points": [(p.t, p.rss_mib) for p in quiet],
+                "floor_mib_per_min": floor, "limit": mix.max_rss_mib_per_min,
                 "ok": slope is not None and slope < mix.max_rss_mib_per_min},
         "fds": {"idle": idle.fds, "final": final.fds, "ok": final.fds <= idle.fds},
         "threads": {"idle": idle.threads, "final": final.threads,
@@ -301,12 +331,21 @@ class Load:
     t0: float = field(default_factory=time.monotonic)
     events: list[Event] = field(default_factory=list)
     rng: random.Random = field(default_factory=random.Random)
+    gate: asyncio.Event = field(default_factory=asyncio.Event)  # clear: a quiet point
+
+    def __post_init__(self) -> None:
+        self.gate.set()
 
     def now(self) -> float:
         return time.monotonic() - self.t0
 
     def over(self) -> bool:
         return self.now() >= self.mix.duration_s
+
+    async def go_on(self) -> bool:
+        """Whether to send more: once any quiet point is over, until the end."""
+        await self.gate.wait()
+        return not self.over()
 
     def event(self, kind: str) -> Event:
         self.events.append(Event(self.now(), kind))
@@ -359,7 +398,7 @@ class Load:
     async def normal(self, index: int) -> None:
         """A closed-loop client: each request streamed or whole, completions or chat."""
         turn = index
-        while not self.over():
+        while await self.go_on():
             chat, stream = bool(turn & 1), bool(turn & 2)
             body = self.body(chat, stream, self.rng.randint(4, 32))
             path = "/v1/chat/completions" if chat else "/v1/completions"
@@ -371,7 +410,7 @@ class Load:
         """The TTFT probe: one client in a closed loop of the same small streamed request
         (8 words in, 2 tokens out), so that its TTFT is the server's responsiveness
         alone, sampled ~30 times a second."""
-        while not self.over():
+        while await self.go_on():
             body = {**self.body(False, True, 2), "prompt": " ".join(self.rng.sample(WORDS, 8))}
             await self.post(self.event("probe"), "/v1/completions", body)
             await asyncio.sleep(self.mix.probe_pause_s)
@@ -379,7 +418,7 @@ class Load:
     async def every(self, period_s: float, send) -> None:
         """Start `send()` every `period_s` seconds until the end; wait for all of them."""
         tasks = []
-        while not self.over():
+        while await self.go_on():
             tasks.append(asyncio.create_task(send()))
             await asyncio.sleep(period_s)
         await asyncio.gather(*tasks)
@@ -463,6 +502,45 @@ async def _watch(load: Load, pid: int, samples: list[Sample], metrics: aiohttp.C
         await asyncio.sleep(load.mix.sample_every_s)
 
 
+async def quiet_point(load: Load, pid: int, metrics: aiohttp.ClientSession) -> QuietPoint:
+    """With no new requests sent: wait until the engine runs and queues none, then take
+    the RSS's minimum over `quiet_s`."""
+    start = load.now()
+    deadline = time.monotonic() + load.mix.timeout_s
+    while time.monotonic() < deadline:
+        try:
+            s = await engine_sample(metrics, load.url, process_sample(pid, load.now()))
+            if s.running == 0 and s.waiting == 0:
+                break
+        except (aiohttp.ClientError, TimeoutError, KeyError, ValueError):
+            pass
+        await asyncio.sleep(0.5)
+    drained = load.now() - start
+    idle = []
+    until = time.monotonic() + load.mix.quiet_s
+    while time.monotonic() < until:
+        idle.append(process_sample(pid, load.now()))
+        await asyncio.sleep(1.0)
+    return QuietPoint(start, min(s.rss_mib for s in idle),
+                      min(s.rss_anon_mib for s in idle), drained)
+
+
+async def _quiet_points(load: Load, pid: int, metrics: aiohttp.ClientSession,
+                        points: list[QuietPoint]) -> None:
+    """The quiet points during the load: when warm-up ends, then every `quiet_every_s`."""
+    at = load.mix.warmup_s
+    while at < load.mix.duration_s:
+        await asyncio.sleep(at - load.now())
+        if load.over():
+            return
+        load.gate.clear()
+        try:
+            points.append(await quiet_point(load, pid, metrics))
+        finally:
+            load.gate.set()
+        at += load.mix.quiet_every_s
+
+
 async def _first_model(url: str, headers: dict) -> str:
     async with aiohttp.ClientSession(headers=headers) as s, s.get(url + "/v1/models") as resp:
         resp.raise_for_status()
@@ -479,6 +557,7 @@ async def soak(url: str, pid: int, mix: Mix, api_key: str | None = None,
     await asyncio.sleep(1.0)  # the server closes that connection
     idle = process_sample(pid, 0.0)
     samples: list[Sample] = []
+    quiet: list[QuietPoint] = []
     timeout = aiohttp.ClientTimeout(total=mix.timeout_s)
     closing = aiohttp.TCPConnector(force_close=True)  # /metrics leaves no connection open
     async with (
@@ -489,6 +568,7 @@ async def soak(url: str, pid: int, mix: Mix, api_key: str | None = None,
         reporter = asyncio.create_task(_report_progress(load, samples)) if progress else None
         await asyncio.gather(
             _watch(load, pid, samples, metrics),
+            _quiet_points(load, pid, metrics, quiet),
             *(load.normal(i) for i in range(mix.concurrency)),
             load.probe(),
             load.every(mix.bad_every_s, load.bad),
@@ -499,6 +579,7 @@ async def soak(url: str, pid: int, mix: Mix, api_key: str | None = None,
         if reporter is not None:
             reporter.cancel()
         ended = load.now()
+        quiet.append(await quiet_point(load, pid, metrics))
     final = process_sample(pid, ended)
     deadline = time.monotonic() + SETTLE_S
     while (final.fds > idle.fds or final.threads > idle.threads) and time.monotonic() < deadline:
@@ -514,7 +595,8 @@ async def soak(url: str, pid: int, mix: Mix, api_key: str | None = None,
         "settled_s": final.t - ended,
         "counts": dict(Counter(f"{e.kind} {e.status}" for e in load.events)),
         "windows": windows(load.events, samples, mix.window_s, mix.duration_s),
-        "checks": checks(mix, load.events, samples, idle, final),
+        "checks": checks(mix, load.events, samples, idle, final, quiet),
+        "quiet_points": [asdict(p) for p in quiet],
         "samples": [asdict(s) for s in samples],
         **({"events": [asdict(e) for e in load.events]} if keep_events else {}),
     }
@@ -543,8 +625,10 @@ def markdown(report: dict) -> str:
     ]
     c = report["checks"]
     verdict = [
-        ["RSS floor's slope past warm-up", f"{fmt(c['rss']['mib_per_min'], 3)} MiB/min "
-         f"(its anonymous part: {fmt(c['rss'].get('anon_mib_per_min'), 3)})",
+        ["RSS at the quiet points: slope past warm-up",
+         f"{fmt(c['rss']['mib_per_min'], 3)} MiB/min (its anonymous part: "
+         f"{fmt(c['rss']['anon_mib_per_min'], 3)}; under load, the floor's: "
+         f"{fmt(c['rss']['floor_mib_per_min'], 3)})",
          f"< {c['rss']['limit']:g}", c["rss"]["ok"]],
         ["fds idle → final", f"{c['fds']['idle']} → {c['fds']['final']}", "≤ idle",
          c["fds"]["ok"]],
@@ -574,14 +658,18 @@ def plot(report: dict, path: Path) -> str | None:
     samples, mix = report["samples"], report["mix"]
     t = [s["t"] for s in samples]
     fig, axes = plt.subplots(4, 1, figsize=(9, 10), sharex=True)
-    axes[0].plot(t, [s["rss_mib"] for s in samples])
+    axes[0].plot(t, [s["rss_mib"] for s in samples], label="RSS")
     floors = rss_floors([Sample(**s) for s in samples], mix["warmup_s"], mix["duration_s"],
                         mix["burst_every_s"])
     if len(floors) >= 2:
         ft, rss = np.array(floors).T
-        axes[0].plot(ft, rss, "o", label="floor of each burst period")
-        axes[0].plot(ft, np.polyval(np.polyfit(ft, rss, 1), ft), "--", label="its fit")
-        axes[0].legend()
+        axes[0].plot(ft, rss, ".", label="floor of each burst period")
+    quiet = report["quiet_points"]
+    if len(quiet) >= 2:
+        qt, rss = np.array([(q["t"], q["rss_mib"]) for q in quiet]).T
+        axes[0].plot(qt, rss, "o", label="at the quiet points (checked)")
+        axes[0].plot(qt, np.polyval(np.polyfit(qt, rss, 1), qt), "--", label="their fit")
+    axes[0].legend()
     axes[0].set(ylabel="RSS MiB")
     axes[1].plot(t, [s["fds"] for s in samples], label="open fds")
     axes[1].plot(t, [s["threads"] for s in samples], label="threads")
