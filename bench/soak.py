@@ -182,14 +182,13 @@ def trend_per_minute(points: list[tuple[float, float]]) -> float | None:
     return float(np.median(slopes)) if slopes else None
 
 
-def rss_floors(samples: list[Sample], warmup_s: float, duration_s: float, period_s: float,
-               field: str = "rss_mib") -> list[tuple[float, float]]:
-    """(the period's middle, the smallest RSS (or `field`) sampled in it) for each whole
-    `period_s` past warm-up."""
+def rss_floors(samples: list[Sample], warmup_s: float, duration_s: float, period_s: float
+               ) -> list[tuple[float, float]]:
+    """(the period's middle, the smallest RSS sampled in it) for each whole `period_s` past
+    warm-up."""
     floors = []
     for lo in np.arange(warmup_s, duration_s - period_s + 1e-9, period_s):
-        seen = [getattr(s, field) for s in samples
-                if lo <= s.t < lo + period_s and getattr(s, field) is not None]
+        seen = [s.rss_mib for s in samples if lo <= s.t < lo + period_s]
         if seen:
             floors.append((float(lo + period_s / 2), min(seen)))
     return floors
@@ -668,7 +667,9 @@ def plot(report: dict, path: Path) -> str | None:
     if len(quiet) >= 2:
         qt, rss = np.array([(q["t"], q["rss_mib"]) for q in quiet]).T
         axes[0].plot(qt, rss, "o", label="at the quiet points (checked)")
-        axes[0].plot(qt, np.polyval(np.polyfit(qt, rss, 1), qt), "--", label="their fit")
+        slope = report["checks"]["rss"]["mib_per_min"] / 60  # the check's, per second
+        line = np.median(rss - slope * qt) + slope * qt
+        axes[0].plot(qt, line, "--", label="their trend (Theil-Sen)")
     axes[0].legend()
     axes[0].set(ylabel="RSS MiB")
     axes[1].plot(t, [s["fds"] for s in samples], label="open fds")
