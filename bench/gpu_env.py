@@ -6,7 +6,10 @@ Records the accelerator (nvidia-smi), the CPU (lscpu), Python and the versions o
 package the suite uses (and where jax and flax were imported from, since the suite puts
 carried wheels ahead of the machine's own), checks that jaxserve's engine imports, and
 measures the device's copy bandwidth and matmul rate with `bench/roofline.py`'s
-`measure_machine`: the ceilings the other parts' roofline columns can be read against.
+`measure_machine`: the ceilings the other parts' roofline columns can be read against. And
+how exact an f32 matmul is at XLA's DEFAULT and HIGHEST precision, against float64 (on an
+H200 DEFAULT is TF32: 2.7e-4 relative against HIGHEST's 5.7e-7; why the engine's step
+traces its dots at HIGHEST).
 """
 
 import argparse
@@ -49,6 +52,24 @@ def nvidia_smi() -> str | None:
     return done.stdout.strip() or done.stderr.strip() or None
 
 
+def f32_matmul_errors() -> dict[str, float]:
+    """Max error of a 512x576 @ 576x1536 f32 matmul against float64, relative to the largest
+    output, at each precision."""
+    import jax
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal((512, 576)).astype(np.float32)
+    b = rng.standard_normal((576, 1536)).astype(np.float32)
+    want = a.astype(np.float64) @ b.astype(np.float64)
+    errors = {}
+    for precision in ("default", "highest"):
+        with jax.default_matmul_precision(precision):
+            got = np.asarray(jax.jit(lambda a, b: a @ b)(a, b), np.float64)
+        errors[precision] = float(np.abs(got - want).max() / np.abs(want).max())
+    return errors
+
+
 def markdown(data: dict) -> str:
     rows = [
         ("accelerator", data.get("nvidia_smi") or "none (nvidia-smi not found)"),
@@ -69,6 +90,10 @@ def markdown(data: dict) -> str:
             ("matmul", f"{fmt(machine['matmul_tflops'], 1)} TFLOP/s "
              f"({machine['matmul_dtype']}, n={machine['matmul_n']})"),
         ]
+    errors = data.get("f32_matmul_error")
+    if errors:
+        rows.append(("f32 matmul error", ", ".join(
+            f"{p.upper()} {e:.1e}" for p, e in errors.items()) + " (relative, against f64)"))
     return markdown_table(["", ""], rows)
 
 
@@ -98,6 +123,7 @@ def main() -> None:
 
     copy_mb, matmul_n, repeats = SIZES[args.profile]
     dtype = "bfloat16" if jax.default_backend() == "gpu" else "float32"
+    report.update(f32_matmul_error=f32_matmul_errors())
     report.update(machine=measure_machine(copy_mb, matmul_n, dtype, repeats), complete=True)
     print(report.data["markdown"])
 
