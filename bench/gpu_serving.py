@@ -5,8 +5,9 @@ the CPU's, and a short closed-loop load.
         [--reference bench/results/gpu/cpu_greedy.json] [--write-reference PATH]
 
 1. Start-up: `jaxserve serve` with the default model (SmolLM2-135M-Instruct's GGUF, f32, the
-   platform's attention backend), timed from launch to a 200 from /health (load, compile
-   and time every bucket).
+   platform's attention backend, XLA's f32 projections: a GPU's only kind, and on a CPU the
+   exact f32 the tests hold to transformers, not the bf16 kernels a CPU serves with by
+   default), timed from launch to a 200 from /health (load, compile and time every bucket).
 2. Greedy: each reference prompt (those of tests/test_smollm2_vs_transformers.py, which hold
    the CPU engine token-identical to transformers) through /v1/completions at temperature 0
    with `ignore_eos`, with each token's logprob and top alternatives. Against the reference
@@ -187,7 +188,7 @@ def main() -> int:
         sys.executable, "-m", "jaxserve.cli", "serve", "--model", str(model), "--port",
         str(port), "--max-batch", str(profile.max_batch), "--token-budget",
         str(profile.token_budget), "--buckets", profile.buckets, "--max-queue", "1024",
-        "--compilation-cache-dir", cache,
+        "--compilation-cache-dir", cache, "--dtype", "float32", "--linear-backend", "xla",
     ]
     workload = Workload(prompt_tokens=Lengths(profile.prompt_tokens, profile.prompt_tokens),
                         output_tokens=Lengths(profile.output_tokens, profile.output_tokens))
