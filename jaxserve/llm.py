@@ -15,7 +15,7 @@ from flax import nnx
 from jaxserve.checkpoint.adapter import Adapter
 from jaxserve.checkpoint.default_model import default_model_path
 from jaxserve.checkpoint.loader import load
-from jaxserve.checkpoint.weights import open_checkpoint, pack_projections
+from jaxserve.checkpoint.weights import open_checkpoint, pack_projections, untie_head
 from jaxserve.config import EngineConfig, SamplingParams, serving_dtype
 from jaxserve.cpu_kernels import linear
 from jaxserve.device.kv_cache import calibration_text, storage_name
@@ -98,6 +98,8 @@ class LLM:
                                  "CPU kernel (--linear-backend amx or avx512_bf16); XLA keeps "
                                  "them as they are")
             self.linear_activations = self.dtype.name
+            if self.mesh is None and jax.default_backend() == "cpu":
+                module = untie_head(module)
         else:
             self.linear_activations = cfg.linear_activations
             if self.linear_activations == "auto":

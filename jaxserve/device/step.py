@@ -16,6 +16,7 @@ reads the same tokens. `forward` and `sharded_forward` (tests and benchmarks)
 run one batch, the latter replicated over the whole pool.
 """
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -168,7 +169,28 @@ def _results(logits: jax.Array, tokens: jax.Array, logprobs: jax.Array) -> jax.A
     )
 
 
-forward = jax.jit(_forward, static_argnums=0, donate_argnums=2)
+def compiler_options() -> dict[str, str]:
+    """What XLA is told when it compiles a step: on a CPU, f32 dots by Eigen, not YNNPACK.
+
+    YNNPACK (jax 0.10's default for CPU dots) sums each output in one chain along K: at
+    SmolLM2's massive activations (layer 12's down projection) its f32 dot lands 1.1e-2
+    from the f64 product where torch's lands 1.1e-3, and the logits 0.6-1.6e-4 from
+    transformers f32 (Eigen's: 0.4-0.6e-4; `bench/results/NOTES.md`, 2026-12-04).
+    Eigen multiplies a transposed right side several times slower, so a tied head
+    multiplies a transposed copy on that path (llm.py).
+    """
+    return {"xla_cpu_experimental_ynn_fusion_type": ""} if jax.default_backend() == "cpu" else {}
+
+
+def forward(*args, **kwargs):
+    """`_forward` jitted (the graphdef static, the cache donated), for tests and benchmarks."""
+    return _jitted_forward()(*args, **kwargs)
+
+
+@functools.cache
+def _jitted_forward() -> Callable:
+    return jax.jit(_forward, static_argnums=0, donate_argnums=2,
+                   compiler_options=compiler_options())
 
 
 def jit_step(graphdef: nnx.GraphDef, state: nnx.State, layout: Layout | None = None) -> Callable:
@@ -186,10 +208,11 @@ def jit_step(graphdef: nnx.GraphDef, state: nnx.State, layout: Layout | None = N
     """
     fn = _bound(_step, graphdef, state)
     if layout is None:
-        return jax.jit(fn, donate_argnums=(1, 2))
+        return jax.jit(fn, donate_argnums=(1, 2), compiler_options=compiler_options())
     return jax.jit(
         _per_data_shard(fn, layout, num_sharded_inputs=2, outputs=(_DATA, _KV, _DATA)),
         donate_argnums=(1, 2),
+        compiler_options=compiler_options(),
         in_shardings=(jax.tree.leaves(layout.state), layout.kv_cache, layout.data, layout.data,
                       layout.adapters),
         out_shardings=(layout.replicated, layout.kv_cache, layout.data),
@@ -202,10 +225,11 @@ def jit_score(graphdef: nnx.GraphDef, state: nnx.State, layout: Layout | None = 
     scores its own rows."""
     fn = _bound(_score, graphdef, state)
     if layout is None:
-        return jax.jit(fn, donate_argnums=1)
+        return jax.jit(fn, donate_argnums=1, compiler_options=compiler_options())
     return jax.jit(
         _per_data_shard(fn, layout, num_sharded_inputs=5, outputs=(_DATA, _KV)),
         donate_argnums=1,
+        compiler_options=compiler_options(),
         in_shardings=(jax.tree.leaves(layout.state), layout.kv_cache, *[layout.data] * 5,
                       layout.adapters),
         out_shardings=(layout.replicated, layout.kv_cache),
@@ -219,6 +243,7 @@ def sharded_forward(layout: Layout) -> Callable:
         _forward,
         static_argnums=0,
         donate_argnums=2,
+        compiler_options=compiler_options(),
         in_shardings=(layout.state, layout.kv_cache, r, r, r),
         out_shardings=(r, layout.kv_cache),
     )
