@@ -150,7 +150,8 @@ def memory(llm) -> dict:
         "planner_weight_bytes": planner.stored_weight_bytes(
             planner.shape_of(c, "served"),
             llm.weight_dtype if llm.weight_dtype == "q4_1" else storage_name(llm.weight_dtype),
-            storage_name(llm.dtype), packed=llm.linear_backend != "xla"),
+            storage_name(llm.dtype), packed=llm.linear_backend != "xla",
+            head_copy=llm.linear_backend == "xla" and "lm_head" in llm.runner.state),
         "kv_bytes_per_token": llm.kv_bytes_per_token,
         "planner_kv_bytes_per_token": planner.kv_bytes_per_token(
             c.num_layers, c.num_kv_heads, c.head_dim, llm.kv_dtype),

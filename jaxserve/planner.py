@@ -351,14 +351,16 @@ def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, kv_dty
 
 
 def stored_weight_bytes(model: ModelShape, weight_dtype: str, dtype: str,
-                        packed: bool = False) -> int:
+                        packed: bool = False, head_copy: bool = False) -> int:
     """The bytes of weights jaxserve's engine holds: the projections in `weight_dtype` (with
     an f32 scale per output column where quantized), every other parameter in `dtype`.
     `packed`: the projections and the LM head packed for a bf16 CPU kernel instead
     (cpu_kernels/linear.py: bf16, each input dimension padded to whole tiles of 32; with
     `weight_dtype` "q4_1" the projections as a GGUF file's Q4_1 blocks, 320 bytes a tile
     of 512 weights, the head still bf16); a tied model keeps its embedding for the lookup
-    beside the packed head."""
+    beside the packed head. `head_copy`: a tied model's head also held as its own [hidden,
+    vocab] copy in `dtype`, as XLA's path on one CPU device holds it (checkpoint/weights.py,
+    untie_head)."""
     projections, columns = model.projection_params
     rest = model.num_params - projections
     if packed:
@@ -374,6 +376,8 @@ def stored_weight_bytes(model: ModelShape, weight_dtype: str, dtype: str,
         per_weight = 320 / 512 if weight_dtype == "q4_1" else 2
         return round(per_weight * model.num_layers * layer + head + rest * DTYPE_BYTES[dtype])
     scales = 4 * columns if weight_dtype in SCALED_WEIGHTS else 0
+    if head_copy and model.tie_word_embeddings:
+        rest += model.hidden_size * model.vocab_size
     return round(projections * DTYPE_BYTES[weight_dtype] + scales + rest * DTYPE_BYTES[dtype])
 
 
