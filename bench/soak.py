@@ -160,6 +160,10 @@ class QuietPoint:
     rss_mib: float  # the smallest over the idle time
     rss_anon_mib: float
     drained_s: float  # how long the engine took to become idle
+    # glibc malloc's live bytes then (server/heap.py; None where /metrics lacks them): an
+    # RSS step they do not take is no live malloc block
+    heap_in_use_mib: float | None = None
+    heap_mmapped_mib: float | None = None
 
 
 # ---------------------------------------------------------------- pure parts
@@ -299,15 +303,17 @@ def process_sample(pid: int, t: float) -> Sample:
                   int(status["Threads"]), rss_anon_mib=anon_kib / 1024)
 
 
-async def engine_sample(session: aiohttp.ClientSession, url: str, sample: Sample) -> Sample:
-    """`sample` with the engine's KV pages in use, running and waiting (from /metrics)."""
+async def scrape(session: aiohttp.ClientSession, url: str) -> dict[str, float]:
+    """/metrics as {name with its labels: value}."""
     async with session.get(url + "/metrics") as resp:
         text = await resp.text()
-    m = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            name, value = line.rsplit(" ", 1)
-            m[name] = float(value)
+    return {name: float(value) for name, value in (
+        line.rsplit(" ", 1) for line in text.splitlines() if line and not line.startswith("#"))}
+
+
+async def engine_sample(session: aiohttp.ClientSession, url: str, sample: Sample) -> Sample:
+    """`sample` with the engine's KV pages in use, running and waiting (from /metrics)."""
+    m = await scrape(session, url)
     used = m["jaxserve:kv_pages_total"] - m["jaxserve:kv_pages_free"] - m.get(
         "jaxserve:kv_pages_cached", 0.0)
     return Sample(sample.t, sample.rss_mib, sample.fds, sample.threads, used,
@@ -520,8 +526,18 @@ async def quiet_point(load: Load, pid: int, metrics: aiohttp.ClientSession) -> Q
     while time.monotonic() < until:
         idle.append(process_sample(pid, load.now()))
         await asyncio.sleep(1.0)
+    heap = {}
+    try:
+        heap = await scrape(metrics, load.url)
+    except (aiohttp.ClientError, TimeoutError, ValueError):
+        pass
+
+    def mib(kind: str) -> float | None:
+        size = heap.get(f'jaxserve:heap_bytes{{kind="{kind}"}}')
+        return None if size is None else size / 2**20
+
     return QuietPoint(start, min(s.rss_mib for s in idle),
-                      min(s.rss_anon_mib for s in idle), drained)
+                      min(s.rss_anon_mib for s in idle), drained, mib("in_use"), mib("mmapped"))
 
 
 async def _quiet_points(load: Load, pid: int, metrics: aiohttp.ClientSession,
@@ -644,6 +660,11 @@ def markdown(report: dict) -> str:
         markdown_table(["window s", "sent", "200", "429", "4xx", "5xx", "unexpected",
                         "TTFT p50 ms", "TTFT p99 ms", "RSS MiB", "fds", "threads",
                         "pages used"], rows),
+        markdown_table(["quiet point s", "RSS MiB", "anonymous MiB", "heap in use MiB",
+                        "heap mmapped MiB", "drained in s"],
+                       [[f"{q['t']:.0f}", fmt(q["rss_mib"]), fmt(q["rss_anon_mib"]),
+                         fmt(q.get("heap_in_use_mib")), fmt(q.get("heap_mmapped_mib")),
+                         fmt(q["drained_s"])] for q in report["quiet_points"]]),
         markdown_table(["check", "measured", "limit", "passed"],
                        [[*row[:3], "yes" if row[3] else "NO"] for row in verdict]),
     ])

@@ -48,6 +48,26 @@ def limit_arenas(arenas: int = ARENAS) -> None:
     mallopt(M_ARENA_MAX, arenas)
 
 
+class _Mallinfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in (
+        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks",
+        "fordblks", "keepcost")]
+
+
+def heap_bytes() -> dict[str, int] | None:
+    """glibc malloc's bytes: in use in its arenas, free there (trimmed pages included, so
+    not all of it resident) and mmapped (blocks too large for an arena); None without
+    mallinfo2 (glibc < 2.33, musl, macOS). An RSS step that in_use and mmapped do not
+    take is not a live malloc block: fragments, or memory malloc does not own (Python's
+    own arenas, XLA's)."""
+    mallinfo2 = _glibc("mallinfo2")
+    if mallinfo2 is None:
+        return None
+    mallinfo2.argtypes, mallinfo2.restype = [], _Mallinfo2
+    m = mallinfo2()
+    return {"in_use": m.uordblks, "free": m.fordblks, "mmapped": m.hblkhd}
+
+
 def _malloc_trim():
     """glibc's malloc_trim, or None on a C library without it."""
     trim = _glibc("malloc_trim")

@@ -11,6 +11,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from jaxserve.host.results import StepTime
 from jaxserve.serving import EngineStats
+from server.heap import heap_bytes
 
 # a step's host part is a fraction of a millisecond on a GPU: finer buckets at the low end
 STEP_PART_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1,
@@ -124,6 +125,7 @@ class Metrics:
             "jaxserve:lora_slots_in_use", "Device slots holding a LoRA adapter (--max-loras)",
             registry=r,
         )
+        r.register(_HeapBytes())
 
     def bind(self, stats: Callable[[], EngineStats]) -> None:
         """Let the gauges and engine-kept counters read the live engine when scraped."""
@@ -148,6 +150,22 @@ class Metrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _HeapBytes:
+    """jaxserve:heap_bytes{kind}: glibc malloc's bytes in use, free and mmapped, read when
+    scraped (server/heap.py); absent where the C library cannot tell."""
+
+    def collect(self):
+        sizes = heap_bytes()
+        if sizes is None:
+            return
+        family = GaugeMetricFamily(
+            "jaxserve:heap_bytes", "glibc malloc's bytes: in use, free in its arenas, mmapped",
+            labels=["kind"])
+        for kind, size in sizes.items():
+            family.add_metric([kind], size)
+        yield family
 
 
 class _EngineCounters:

@@ -53,6 +53,7 @@ METRICS = [
     "jaxserve:requests_admitted_total",
     "jaxserve:requests_finished_total",
     "jaxserve:num_output_streams",
+    "jaxserve:heap_bytes",
 ]
 
 
