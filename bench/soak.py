@@ -164,6 +164,7 @@ class QuietPoint:
     # RSS step they do not take is no live malloc block
     heap_in_use_mib: float | None = None
     heap_mmapped_mib: float | None = None
+    rss_by_mapping: dict[str, float] = field(default_factory=dict)  # MiB (resident_by_mapping)
 
 
 # ---------------------------------------------------------------- pure parts
@@ -309,6 +310,29 @@ async def scrape(session: aiohttp.ClientSession, url: str) -> dict[str, float]:
         text = await resp.text()
     return {name: float(value) for name, value in (
         line.rsplit(" ", 1) for line in text.splitlines() if line and not line.startswith("#"))}
+
+
+def resident_by_mapping(pid: int) -> dict[str, float]:
+    """Process `pid`'s resident MiB by kind of mapping (/proc/PID/smaps): malloc's main
+    arena (`[heap]`), anonymous maps of 32 MiB and more (malloc's other arenas reserve 64
+    MiB heaps), smaller anonymous maps (CPython's arenas, thread stacks, XLA's own) and
+    files (code, the model's file while loading)."""
+    kinds = {"heap": 0.0, "anon_large": 0.0, "anon_small": 0.0, "files": 0.0}
+    kind = None
+    for line in Path(f"/proc/{pid}/smaps").read_text().splitlines():
+        fields = line.split()
+        if "-" in fields[0] and not fields[0].endswith(":"):  # a mapping's header
+            start, end = (int(x, 16) for x in fields[0].split("-"))
+            name = fields[5] if len(fields) > 5 else ""
+            if name == "[heap]":
+                kind = "heap"
+            elif name.startswith("/"):
+                kind = "files"
+            else:
+                kind = "anon_large" if end - start >= 32 << 20 else "anon_small"
+        elif fields[0] == "Rss:" and kind is not None:
+            kinds[kind] += int(fields[1]) / 1024
+    return kinds
 
 
 async def engine_sample(session: aiohttp.ClientSession, url: str, sample: Sample) -> Sample:
@@ -537,7 +561,8 @@ async def quiet_point(load: Load, pid: int, metrics: aiohttp.ClientSession) -> Q
         return None if size is None else size / 2**20
 
     return QuietPoint(start, min(s.rss_mib for s in idle),
-                      min(s.rss_anon_mib for s in idle), drained, mib("in_use"), mib("mmapped"))
+                      min(s.rss_anon_mib for s in idle), drained, mib("in_use"), mib("mmapped"),
+                      resident_by_mapping(pid))
 
 
 async def _quiet_points(load: Load, pid: int, metrics: aiohttp.ClientSession,
@@ -660,10 +685,13 @@ def markdown(report: dict) -> str:
         markdown_table(["window s", "sent", "200", "429", "4xx", "5xx", "unexpected",
                         "TTFT p50 ms", "TTFT p99 ms", "RSS MiB", "fds", "threads",
                         "pages used"], rows),
-        markdown_table(["quiet point s", "RSS MiB", "anonymous MiB", "heap in use MiB",
-                        "heap mmapped MiB", "drained in s"],
+        markdown_table(["quiet point s", "RSS MiB", "anonymous MiB", "malloc in use MiB",
+                        "malloc mmapped MiB", "[heap]", "anon maps ≥ 32 MiB",
+                        "anon maps < 32 MiB", "files", "drained in s"],
                        [[f"{q['t']:.0f}", fmt(q["rss_mib"]), fmt(q["rss_anon_mib"]),
                          fmt(q.get("heap_in_use_mib")), fmt(q.get("heap_mmapped_mib")),
+                         *(fmt(q.get("rss_by_mapping", {}).get(k)) for k in (
+                             "heap", "anon_large", "anon_small", "files")),
                          fmt(q["drained_s"])] for q in report["quiet_points"]]),
         markdown_table(["check", "measured", "limit", "passed"],
                        [[*row[:3], "yes" if row[3] else "NO"] for row in verdict]),
