@@ -68,11 +68,17 @@ def _forward(
     adapters: AdapterBatch | None = None,
 ) -> tuple[jax.Array, KVCache]:  # f32[num_logits, vocab], cache
     """Logits at `metadata.logits_indices`, writing every token's K/V into the cache.
-    A model is given `adapters` only when LoRA adapters are served."""
+    A model is given `adapters` only when LoRA adapters are served.
+
+    Its dots are traced at HIGHEST precision: XLA's DEFAULT multiplies f32 in TF32 on a
+    GPU (an H200 served SmolLM2 f32 with logprobs 0.1-0.18 off the CPU's and 3 of 5 greedy
+    answers apart), where PyTorch, and so transformers, multiplies f32 in f32. bf16
+    operands and the CPU's f32 dots compute as before.
+    """
     model = nnx.merge(graphdef, state)
-    if adapters is None:
-        return model(token_ids, positions, kv_cache, metadata)
-    return model(token_ids, positions, kv_cache, metadata, adapters)
+    extra = () if adapters is None else (adapters,)
+    with jax.default_matmul_precision("highest"):
+        return model(token_ids, positions, kv_cache, metadata, *extra)
 
 
 def _batch(slots: AdapterSlots | None, token_slots: jax.Array) -> AdapterBatch | None:
@@ -250,18 +256,11 @@ def sharded_forward(layout: Layout) -> Callable:
 
 
 def _bound(fn: Callable, graphdef: nnx.GraphDef, state: nnx.State) -> Callable:
-    """fn(graphdef, state, *args) as fn'(weights, *args), weights the state's leaves.
-
-    Its dots are traced at HIGHEST precision: XLA's DEFAULT multiplies f32 in TF32 on a
-    GPU (an H200 served SmolLM2 f32 with logprobs 0.1-0.18 off the CPU's and 3 of 5 greedy
-    answers apart), where PyTorch, and so transformers, multiplies f32 in f32. bf16
-    operands and the CPU's f32 dots compute as before.
-    """
+    """fn(graphdef, state, *args) as fn'(weights, *args), weights the state's leaves."""
     treedef = jax.tree.structure(state)
 
     def run(weights: list[jax.Array], *args):
-        with jax.default_matmul_precision("highest"):
-            return fn(graphdef, jax.tree.unflatten(treedef, weights), *args)
+        return fn(graphdef, jax.tree.unflatten(treedef, weights), *args)
 
     return run
 
