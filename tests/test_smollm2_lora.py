@@ -1,6 +1,7 @@
 """SmolLM2-135M with random LoRA adapters of rank 8 and 64, against transformers + peft
 (f32): the adapters' logits and greedy tokens (slow: the real model)."""
 
+import copy
 import dataclasses
 import sys
 from pathlib import Path
@@ -29,6 +30,12 @@ ADAPTERS = {"r8": (8, ["q_proj", "v_proj", "down_proj"], False),
 # (bench/results/NOTES.md, 2026-12-04). Bound: what was measured, with room for another
 # CPU's summation order; the tiny models' test holds 1e-4.
 ATOL = 5e-4
+# peft in f32 is itself up to 5.2e-4 from the same model in f64 (r64, the fifth prompt, a
+# Zen 5): no f32 implementation can be held to 1e-4 of it on every prompt. What jaxserve
+# owns is its own rounding: over the 5 prompts its largest distance from f64 is at most
+# this many times peft f32's (measured 0.70x base, 1.06x r8, 0.81x r64 on a Zen 5; r8
+# 1.31x on an Intel Xeon; NOTES.md, 2026-12-04).
+F64_RATIO = 1.5
 
 
 def hf_model(gguf: Path):
@@ -64,32 +71,63 @@ def llm(smollm2_gguf, references):
                lora={name: path for name, (_, path) in references.items()})
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("name", ADAPTERS)
-def test_adapter_logits_match_peft(llm, references, name):
+def jaxserve_logits(llm, ids: list[int], slot: int) -> np.ndarray:
+    """f32[len(ids), vocab]: every position's logits of one prefill, rows of adapter slot
+    `slot` (0: none)."""
     from jaxserve.device.adapters import AdapterBatch
     from jaxserve.device.batch import pack_step
     from jaxserve.device.step import forward
     from jaxserve.host.plan import Chunk
 
-    peft_model = references[name][0]
     runner = llm.runner
-    runner.write_adapter(1, llm.adapter(name))
-    ids = llm.tokenizer.encode(PROMPTS[2])
-    inputs = pack_step([Chunk(ids, 0, [1, 2], adapter_slot=1)], runner.page_size, 16, 1, 2,
-                       runner.spare_row)
+    pages = -(-len(ids) // runner.page_size)
+    tokens = -(-len(ids) // 16) * 16
+    inputs = pack_step([Chunk(ids, 0, list(range(1, pages + 1)), adapter_slot=slot)],
+                       runner.page_size, tokens, 1, pages, runner.spare_row)
     meta = dataclasses.replace(inputs.metadata, backend=runner.backend,  # the pool's
                                logits_indices=np.arange(len(ids), dtype=np.int32))
     logits, runner.kv_cache = forward(
         runner.graphdef, runner.state, runner.kv_cache, inputs.token_ids, inputs.positions, meta,
         AdapterBatch(runner.adapter_slots, inputs.adapters))
+    return np.asarray(logits)
+
+
+def torch_logits(model, ids: list[int], adapter: bool = True) -> np.ndarray:
     with torch.no_grad():
-        want = peft_model(torch.tensor([ids])).logits[0].numpy()
-        with peft_model.disable_adapter():
-            base = peft_model(torch.tensor([ids])).logits[0].numpy()
-    got = np.asarray(logits)
+        if adapter:
+            return model(torch.tensor([ids])).logits[0].double().numpy()
+        with model.disable_adapter():
+            return model(torch.tensor([ids])).logits[0].double().numpy()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ADAPTERS)
+def test_adapter_logits_match_peft(llm, references, name):
+    peft_model = references[name][0]
+    llm.runner.write_adapter(1, llm.adapter(name))
+    ids = llm.tokenizer.encode(PROMPTS[2])
+    got = jaxserve_logits(llm, ids, 1)
+    want = torch_logits(peft_model, ids)
     np.testing.assert_allclose(got, want, atol=ATOL, rtol=0)
-    assert np.abs(want - base).max() > 0.1  # the adapter changes the logits
+    assert np.abs(want - torch_logits(peft_model, ids, adapter=False)).max() > 0.1  # it acts
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["base", *ADAPTERS])
+def test_rounding_no_worse_than_peft_f32(llm, references, name):
+    """Against the same model in f64, over the 5 prompts, jaxserve's largest logit error is
+    within F64_RATIO of peft f32's (base: the adapters' model with none applied)."""
+    peft_model = references["r8" if name == "base" else name][0]
+    exact = copy.deepcopy(peft_model).double()
+    if name != "base":
+        llm.runner.write_adapter(1, llm.adapter(name))
+    ours, theirs = [], []
+    for prompt in PROMPTS:
+        ids = llm.tokenizer.encode(prompt)
+        want = torch_logits(exact, ids, adapter=name != "base")
+        ours.append(np.abs(jaxserve_logits(llm, ids, 0 if name == "base" else 1) - want).max())
+        theirs.append(np.abs(torch_logits(peft_model, ids, adapter=name != "base") - want).max())
+    assert max(ours) <= F64_RATIO * max(theirs), (ours, theirs)
 
 
 @pytest.mark.slow
