@@ -82,6 +82,7 @@ ROOT = Path(__file__).resolve().parents[1]
 GGUF = ROOT / "checkpoints" / "SmolLM2-135M-Instruct.Q4_1.gguf"
 SERVER_ARGS = "--max-batch 8 --token-budget 64 --max-model-len 512 --max-queue 16"
 SETTLE_S = 30.0  # after the load, how long fds and threads have to return to idle
+ARENA_HEAP_ALIGN = 64 << 20  # glibc's HEAP_MAX_SIZE on 64-bit: a thread arena's heaps start here
 
 
 @dataclass(frozen=True)
@@ -314,22 +315,23 @@ async def scrape(session: aiohttp.ClientSession, url: str) -> dict[str, float]:
 
 def resident_by_mapping(pid: int) -> dict[str, float]:
     """Process `pid`'s resident MiB by kind of mapping (/proc/PID/smaps): malloc's main
-    arena (`[heap]`), anonymous maps of 32 MiB and more (malloc's other arenas reserve 64
-    MiB heaps), smaller anonymous maps (CPython's arenas, thread stacks, XLA's own) and
-    files (code, the model's file while loading)."""
-    kinds = {"heap": 0.0, "anon_large": 0.0, "anon_small": 0.0, "files": 0.0}
+    arena (`[heap]`), its other arenas (anonymous maps that start on a 64 MiB boundary:
+    glibc aligns each heap of a thread's arena to its 64 MiB maximum, and whose top
+    malloc_trim does not release), other anonymous maps (CPython's arenas, thread stacks,
+    malloc's mmapped blocks, XLA's own) and files (code, the model's file while loading)."""
+    kinds = {"heap": 0.0, "arenas": 0.0, "anon": 0.0, "files": 0.0}
     kind = None
     for line in Path(f"/proc/{pid}/smaps").read_text().splitlines():
         fields = line.split()
         if "-" in fields[0] and not fields[0].endswith(":"):  # a mapping's header
-            start, end = (int(x, 16) for x in fields[0].split("-"))
+            start = int(fields[0].split("-")[0], 16)
             name = fields[5] if len(fields) > 5 else ""
             if name == "[heap]":
                 kind = "heap"
             elif name.startswith("/"):
                 kind = "files"
             else:
-                kind = "anon_large" if end - start >= 32 << 20 else "anon_small"
+                kind = "arenas" if start % ARENA_HEAP_ALIGN == 0 else "anon"
         elif fields[0] == "Rss:" and kind is not None:
             kinds[kind] += int(fields[1]) / 1024
     return kinds
@@ -686,12 +688,12 @@ def markdown(report: dict) -> str:
                         "TTFT p50 ms", "TTFT p99 ms", "RSS MiB", "fds", "threads",
                         "pages used"], rows),
         markdown_table(["quiet point s", "RSS MiB", "anonymous MiB", "malloc in use MiB",
-                        "malloc mmapped MiB", "[heap]", "anon maps ≥ 32 MiB",
-                        "anon maps < 32 MiB", "files", "drained in s"],
+                        "malloc mmapped MiB", "[heap]", "other malloc arenas",
+                        "other anonymous", "files", "drained in s"],
                        [[f"{q['t']:.0f}", fmt(q["rss_mib"]), fmt(q["rss_anon_mib"]),
                          fmt(q.get("heap_in_use_mib")), fmt(q.get("heap_mmapped_mib")),
                          *(fmt(q.get("rss_by_mapping", {}).get(k)) for k in (
-                             "heap", "anon_large", "anon_small", "files")),
+                             "heap", "arenas", "anon", "files")),
                          fmt(q["drained_s"])] for q in report["quiet_points"]]),
         markdown_table(["check", "measured", "limit", "passed"],
                        [[*row[:3], "yes" if row[3] else "NO"] for row in verdict]),

@@ -2,6 +2,7 @@
 of a live server on the tiny model (slow) that must pass every acceptance check."""
 
 import json
+import subprocess
 import sys
 
 import pytest
@@ -154,3 +155,27 @@ def test_five_minutes_of_mixed_load_leave_nothing_behind(tiny_model, tmp_path):
     saved = json.loads((tmp_path / "soak.json").read_text())
     assert saved["passed"] and saved["samples"] and saved["cpu"]["model"]
     assert (tmp_path / "soak.png").stat().st_size > 0 and (tmp_path / "soak.md").exists()
+
+
+def test_resident_by_mapping_tells_a_thread_arena_from_the_main_heap():
+    # a thread's first malloc gets an arena of its own (glibc), whose heap is 64 MiB-aligned
+    script = """
+import sys, threading
+held = []
+def fill():
+    held.extend(bytearray(b"x" * (64 << 10)) for _ in range(160))  # 10 MiB under the mmap threshold
+t = threading.Thread(target=fill)
+t.start(); t.join()
+print("ready", flush=True)
+sys.stdin.read()
+"""
+    proc = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        kinds = soak.resident_by_mapping(proc.pid)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert kinds["arenas"] >= 9, kinds  # the 10 MiB the thread holds
+    assert kinds["heap"] < 9 and kinds["files"] > 0, kinds
