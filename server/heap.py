@@ -6,15 +6,18 @@ event loop, the engine, XLA's and aiohttp's workers), fragmented between live bl
 it returns a page to the OS only when the top of an arena is free. Under mixed load
 (bursts, long prompts, disconnects) the soak saw the RSS floor creep up ~11 MiB a
 minute with no live object growing (bench/results/NOTES.md). `malloc_trim(0)` walks
-every arena and releases (madvise) each whole free page in it, not just the top; it
-takes a few milliseconds, on a worker thread, every `interval_s`.
+every arena and releases (madvise) each whole free page in it, and the main arena's top;
+it takes a few milliseconds, on a worker thread, every `interval_s`. A thread arena's top
+stays resident until a free leaves it over the trim threshold: the few MiB by which the
+soak's RSS still moves between quiet points.
 
 Trimming alone still let the 5-minute soak's RSS floor creep up 1.6 MiB a minute: each
 of the ~20 threads that allocate (XLA's pool, aiohttp's executor) gets an arena of its
 own, up to 8 per core, each with its own fragments and high-water mark. Two arenas
 (`limit_arenas`, glibc's M_ARENA_MAX, as MALLOC_ARENA_MAX=2 would) kept it flat (0.03
 MiB/min in the same soak, bench/results/NOTES.md) at no cost in step time: the engine's
-step allocates little on the host; XLA's buffers are large and few.
+step allocates little on the host; XLA's buffers are large and few. One arena (everything
+trimmable) kept the RSS flatter still but cost ~8 % of a served c=16 run's throughput.
 """
 
 import asyncio

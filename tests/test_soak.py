@@ -136,8 +136,10 @@ def test_the_rss_check_reads_the_quiet_points_not_the_load():
 # six at 5 minutes. The check reads the server's RSS at quiet points (the load paused, the
 # engine idle, a heap trim run): flat to 0.1-1.5 MiB in most runs (slopes 0.04, 0.05, 0.3,
 # 0.3 MiB/min on an Intel Xeon), but the kept RSS can step by ~4 MiB once and stay (580.6
-# -> 584.6 MiB between two points: 1.14 MiB/min) or fall by ~14 (-3.5): the allocator's
-# granularity, which 4 minutes at 1 MiB/min (4 MiB in all) cannot tell from a leak. The
+# -> 584.6 MiB between two points: 1.14 MiB/min) or fall by ~14 (-3.5): free pages at the
+# top of malloc's thread arena, which malloc_trim leaves resident (smaps, map by map; one
+# arena keeps it flat but costs ~8 % of c=16 throughput: NOTES.md, 2026-12-04), and which
+# 4 minutes at 1 MiB/min (4 MiB in all) cannot tell from a leak. The
 # RSS floor under load, the earlier method, read 0.03 to 2.82 across runs. The 60-minute
 # run (bench/results/soak.md) is where the checks hold.
 @pytest.mark.slow
