@@ -1,6 +1,7 @@
 """SmolLM2-135M with random LoRA adapters of rank 8 and 64, against transformers + peft
 (f32): the adapters' logits and greedy tokens (slow: the real model)."""
 
+import contextlib
 import copy
 import dataclasses
 import sys
@@ -93,11 +94,8 @@ def jaxserve_logits(llm, ids: list[int], slot: int) -> np.ndarray:
 
 
 def torch_logits(model, ids: list[int], adapter: bool = True) -> np.ndarray:
-    with torch.no_grad():
-        if adapter:
-            return model(torch.tensor([ids])).logits[0].double().numpy()
-        with model.disable_adapter():
-            return model(torch.tensor([ids])).logits[0].double().numpy()
+    with torch.no_grad(), contextlib.nullcontext() if adapter else model.disable_adapter():
+        return model(torch.tensor([ids])).logits[0].double().numpy()
 
 
 @pytest.mark.slow
@@ -117,16 +115,17 @@ def test_adapter_logits_match_peft(llm, references, name):
 def test_rounding_no_worse_than_peft_f32(llm, references, name):
     """Against the same model in f64, over the 5 prompts, jaxserve's largest logit error is
     within F64_RATIO of peft f32's (base: the adapters' model with none applied)."""
-    peft_model = references["r8" if name == "base" else name][0]
+    adapted = name != "base"
+    peft_model = references[name if adapted else "r8"][0]
     exact = copy.deepcopy(peft_model).double()
-    if name != "base":
+    if adapted:
         llm.runner.write_adapter(1, llm.adapter(name))
     ours, theirs = [], []
     for prompt in PROMPTS:
         ids = llm.tokenizer.encode(prompt)
-        want = torch_logits(exact, ids, adapter=name != "base")
-        ours.append(np.abs(jaxserve_logits(llm, ids, 0 if name == "base" else 1) - want).max())
-        theirs.append(np.abs(torch_logits(peft_model, ids, adapter=name != "base") - want).max())
+        want = torch_logits(exact, ids, adapter=adapted)
+        ours.append(np.abs(jaxserve_logits(llm, ids, int(adapted)) - want).max())
+        theirs.append(np.abs(torch_logits(peft_model, ids, adapter=adapted) - want).max())
     assert max(ours) <= F64_RATIO * max(theirs), (ours, theirs)
 
 
