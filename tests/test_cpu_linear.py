@@ -124,6 +124,52 @@ def test_a_stacked_weight_is_read_at_its_layer_in_a_scan(backend):
         linear.packed_linear(jnp.ones((2, 96)), packed, 0, backend)
 
 
+@pytest.mark.parametrize("backend", KERNELS)
+@pytest.mark.parametrize("passes", [1, 2])
+@pytest.mark.parametrize("rank", [8, 16, 64])
+def test_each_row_multiplies_its_own_adapter_slot_only(backend, passes, rank):
+    """LoRA's products (slot_linear): a row multiplies only the part of a slots' stack
+    that its slot owns (A: its columns, in each of the groups side by side; B: its
+    inputs), and gets the bits that the product by the whole stack gives it (which adds
+    only exact zeros where the caller zeroed the other slots' inputs), whatever the other
+    rows' slots; a row of no slot is zeros."""
+    rng = np.random.default_rng(rank + passes)
+    num_slots, k, groups, m = 4, 100, 3, 40
+    width = -(-num_slots * rank // 16) * 16
+    a = jnp.asarray(linear.pack(rng.standard_normal((2, k, groups * width)).astype(np.float32)))
+    b = jnp.asarray(linear.pack(rng.standard_normal((2, width, 80)).astype(np.float32)))
+    slots = rng.integers(0, num_slots + 1, m).astype(np.int32)
+    slots[:3] = (0, 1, num_slots)
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    own = np.zeros((m, width), bool)  # each row's slot's columns (A) or inputs (B)
+    tiles = np.zeros((m, width), bool)  # the column tiles that hold them
+    for r, s in enumerate(slots):
+        if s:
+            own[r, (s - 1) * rank : s * rank] = True
+            tiles[r, (s - 1) * rank // 16 * 16 : -(-s * rank // 16) * 16] = True
+    own, tiles = np.tile(own, groups), np.tile(tiles, groups)
+    xb = rng.standard_normal((m, width)).astype(np.float32) * own[:, :width]
+
+    def by_slots(x, w, slots, by_inputs, groups=1):
+        return np.asarray(linear.slot_linear(jnp.asarray(x), w, 1, jnp.asarray(slots), rank,
+                                             by_inputs, groups, backend, passes))
+
+    got_a, got_b = by_slots(x, a, slots, False, groups), by_slots(xb, b, slots, True)
+    dense_a = np.asarray(linear.packed_linear(jnp.asarray(x), a, 1, backend, passes))
+    dense_b = np.asarray(linear.packed_linear(jnp.asarray(xb), b, 1, backend, passes))
+    np.testing.assert_array_equal(np.where(own, got_a, 0), np.where(own, dense_a, 0))
+    assert not np.where(tiles, 0, got_a).any() and own.any(axis=1)[slots > 0].all()
+    np.testing.assert_array_equal(got_b, dense_b)
+    assert not got_b[slots == 0].any() and got_b[slots > 0].all(axis=1).all()
+    for rows in ([1], [2, 5], list(range(16)), list(range(3, 40, 3))):  # fewer, other mixes
+        np.testing.assert_array_equal(by_slots(x[rows], a, slots[rows], False, groups),
+                                      got_a[rows], err_msg=f"A, rows {rows}")
+        np.testing.assert_array_equal(by_slots(xb[rows], b, slots[rows], True), got_b[rows],
+                                      err_msg=f"B, rows {rows}")
+    with pytest.raises(Exception, match="slot is out of range"):
+        by_slots(x[:1], a, np.int32([num_slots + 1]) * (width // rank), False, groups)
+
+
 def q4_1_blocks(rng: np.random.Generator, *shape: int) -> np.ndarray:
     """Random Q4_1 blocks of a weight [..., out, in], as a GGUF file holds them."""
     *lead, n, k = shape

@@ -6,13 +6,21 @@ import pytest
 from lora_adapters import save_random_adapter
 
 from jaxserve import LLM, SamplingParams
+from jaxserve.cpu_kernels import linear
 from jaxserve.device.runner import compile_count
+from jaxserve.models.layers import PackedWeight
 
 TARGETS = [["q_proj", "v_proj"], "all-linear", ["o_proj", "down_proj"], ["gate_proj", "up_proj"],
            ["k_proj", "q_proj", "up_proj"], ["v_proj", "o_proj", "gate_proj"]]
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 # few step shapes: every test warms them all up
 SIZES = {"max_batch": 8, "token_budget": 32, "buckets": ((8, 32), (1, 8))}
+# the slots' stacks on XLA (every row multiplies every slot's columns), or packed
+# for a bf16 CPU kernel (each row its own slot's: cpu_kernels/linear.py's slot_linear)
+KERNEL = next((b for b in linear.KERNELS if linear.available(b)), None)
+STORAGE = [pytest.param("xla", id="xla"),
+           pytest.param(KERNEL, id="bf16-kernel",
+                        marks=pytest.mark.skipif(KERNEL is None, reason="no bf16 CPU kernel"))]
 PROMPTS = ["The capital of France is", "Once upon a time", "def fibonacci(n):",
            "A list of colours: red,", "Water boils at", "My favourite animal"]
 
@@ -33,9 +41,14 @@ def tokens(llm: LLM, prompts: list[str], adapters: list[str | None]) -> list[lis
     return [out.token_ids for out in llm.generate(prompts, GREEDY, adapter=adapters)]
 
 
-def test_rows_of_four_adapters_and_the_base_batch_as_they_run_alone(tiny_model, adapters):
+@pytest.mark.parametrize("backend", STORAGE)
+def test_rows_of_four_adapters_and_the_base_batch_as_they_run_alone(tiny_model, adapters,
+                                                                    backend):
     llm = LLM(tiny_model, **SIZES, num_pages=128, max_loras=4, max_lora_rank=16,
-              lora={n: adapters[n] for n in ("a0", "a1", "a2", "a3")}, warmup=True)
+              lora={n: adapters[n] for n in ("a0", "a1", "a2", "a3")}, warmup=True,
+              linear_backend=backend)
+    packed = isinstance(llm.runner.adapter_slots.a["qkv"], PackedWeight)
+    assert packed == (backend != "xla")  # on a kernel, each row takes its own slot's part
     names = ["a0", "a1", None, "a2", "a3", None]
     alone = [tokens(llm, [p], [n])[0] for p, n in zip(PROMPTS, names)]
     compiles = compile_count()

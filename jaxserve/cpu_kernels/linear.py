@@ -16,6 +16,9 @@ step, which streams every weight once, reads a third of the bytes. On AVX512-VNN
 a Q4_1 weight can instead take int8 activations (`passes` 0: x quantized per row and
 block of 32 inputs, the nibbles multiplied as integers, as llama.cpp computes a Q4_1
 file; reference `q8_reference`), with no widening at all.
+
+LoRA adapters' stacked A and B (device/adapters.py) are packed like any bf16 weight, and
+`slot_linear` multiplies each row by its own adapter slot's part of them only.
 """
 
 import ctypes
@@ -45,6 +48,11 @@ KERNELS = {
 Q4_1_KERNELS = {
     "amx": ("jaxserve_amx_q4_1_linear", "JaxserveAmxQ41Linear"),
     "avx512_bf16": ("jaxserve_avx512_bf16_q4_1_linear", "JaxserveAvx512Bf16Q41Linear"),
+}
+# each backend's kernel for LoRA slots' stacks (`slot_linear`): FFI target, linear.cc's symbol
+SLOT_KERNELS = {
+    "amx": ("jaxserve_amx_slot_linear", "JaxserveAmxSlotLinear"),
+    "avx512_bf16": ("jaxserve_avx512_bf16_slot_linear", "JaxserveAvx512Bf16SlotLinear"),
 }
 
 
@@ -79,9 +87,10 @@ def available(backend: str) -> bool:
         return False
     jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(library, symbol)),
                                 platform="cpu")
-    q4_1_target, q4_1_symbol = Q4_1_KERNELS[backend]
-    jax.ffi.register_ffi_target(q4_1_target, jax.ffi.pycapsule(getattr(library, q4_1_symbol)),
-                                platform="cpu")
+    for other_target, other_symbol in (Q4_1_KERNELS[backend], SLOT_KERNELS[backend]):
+        jax.ffi.register_ffi_target(other_target,
+                                    jax.ffi.pycapsule(getattr(library, other_symbol)),
+                                    platform="cpu")
     return True
 
 
@@ -247,3 +256,28 @@ def packed_linear(x: jax.Array, packed: jax.Array, layer: jax.Array | int | None
                             jax.ShapeDtypeStruct((flat.shape[0], n), jnp.float32))
     y = call(flat, packed, jnp.asarray(layer, jnp.int32), passes=np.int32(passes))
     return y.reshape(*x.shape[:-1], n)
+
+
+def slot_linear(x: jax.Array, packed: jax.Array, layer: jax.Array | int, slots: jax.Array,
+                rank: int, by_inputs: bool, groups: int = 1, backend: str = "amx",
+                passes: int = 2) -> jax.Array:
+    """A LoRA slots' stack times x [m, in] (f32), each row by the part its slot (`slots`,
+    i32[m], 1-based; 0: none, a row of zeros) owns, `rank` a slot: its inputs
+    (`by_inputs`, a B stack, where x is zero outside them) or its columns in each of
+    `groups` blocks side by side (an A stack; the row's other columns are zeros). The
+    product by the whole stack, without the multiplies by other slots' parts (linear.cc's
+    SlotLinear); `packed` is a layer stack of `pack`'s tiles, read at `layer`."""
+    if x.dtype != jnp.float32 or x.ndim != 2 or slots.shape != x.shape[:1]:
+        raise ValueError(f"slot_linear takes f32 x [m, in] and slots [m], got {x.dtype}"
+                         f"{list(x.shape)} and {list(slots.shape)}")
+    if packed.dtype != jnp.uint16 or packed.ndim != 5 or packed.shape[-2:] != (ROWS, DEPTH):
+        raise ValueError(f"not a packed layer stack: {packed.dtype}{list(packed.shape)}")
+    if passes not in (1, 2):
+        raise ValueError(f"passes must be 1 (x in bf16) or 2 (x in f32), got {passes}")
+    if not available(backend):
+        raise RuntimeError(f"the {backend} bf16 kernel is unavailable here (see the log)")
+    call = jax.ffi.ffi_call(SLOT_KERNELS[backend][0],
+                            jax.ShapeDtypeStruct((x.shape[0], packed.shape[1] * 16), jnp.float32))
+    return call(x, packed, jnp.asarray(layer, jnp.int32), slots.astype(jnp.int32),
+                passes=np.int32(passes), rank=np.int32(rank), groups=np.int32(groups),
+                by_inputs=np.int32(by_inputs))

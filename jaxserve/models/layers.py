@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-from jaxserve.cpu_kernels.linear import packed_linear
+from jaxserve.cpu_kernels.linear import packed_linear, slot_linear
 
 FLOAT_STORAGE = {"f32": np.float32, "bf16": ml_dtypes.bfloat16}
 # quantized storage: its numpy dtype and the largest magnitude it holds (fp8 is e4m3)
@@ -101,18 +101,28 @@ class LoraGroup:
     b: tuple[jax.Array | PackedWeight, ...]  # each f32[width, out] (or packed)
     mix: jax.Array  # f32[num_tokens, width]
     active: jax.Array  # bool[]: some token of the step has an adapter
+    token_slots: jax.Array  # i32[num_tokens]: each token's slot, 0: none
+    rank: int = field(metadata={"static": True})  # the columns of one slot
 
 
 def lora_terms(x: jax.Array, group: LoraGroup) -> list[jax.Array]:
     """Each projection's adapter term (x @ A × mix) @ B, in x's dtype: one matmul by the
     group's A, one by each B; zeros, without computing them, in a step where no token
-    has an adapter."""
+    has an adapter. A packed stack multiplies each token by its own slot's part only
+    (`slot_linear`), an f32 one by every slot's (the mix zeroes the others')."""
     def outputs(b):
         return b.values.shape[-4] * 16 if isinstance(b, PackedWeight) else b.shape[-1]
 
+    def by_slots(x, w, by_inputs):
+        if not isinstance(w, PackedWeight):
+            return linear(x, w)
+        return slot_linear(x, w.values, w.layer, group.token_slots, group.rank, by_inputs,
+                           1 if by_inputs else len(group.b), w.backend, w.passes)
+
     def terms(x):
-        xa = jnp.split(linear(x.astype(jnp.float32), group.a), len(group.b), axis=-1)
-        return [linear(part * group.mix, b).astype(x.dtype) for part, b in zip(xa, group.b)]
+        xa = by_slots(x.astype(jnp.float32), group.a, by_inputs=False)
+        return [by_slots(part * group.mix, b, by_inputs=True).astype(x.dtype)
+                for part, b in zip(jnp.split(xa, len(group.b), axis=-1), group.b)]
 
     def zeros(x):
         return [jnp.zeros((*x.shape[:-1], outputs(b)), x.dtype) for b in group.b]

@@ -135,7 +135,7 @@ class DecoderLayers(nnx.Module):
                     return ys
                 slots = w["adapters"]
                 lora = LoraGroup(slots["a"][group], tuple(slots["b"][n] for n in GROUPS[group]),
-                                 mix, active)
+                                 mix, active, adapters.token_slots, adapters.slots.rank)
                 return [y + term for y, term in zip(ys, lora_terms(h, lora))]
 
             h = rms_norm(x, w["input_norm"], cfg.rms_norm_eps)
