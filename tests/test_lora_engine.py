@@ -18,9 +18,9 @@ SIZES = {"max_batch": 8, "token_budget": 32, "buckets": ((8, 32), (1, 8))}
 # the slots' stacks on XLA (every row multiplies every slot's columns), or packed
 # for a bf16 CPU kernel (each row its own slot's: cpu_kernels/linear.py's slot_linear)
 KERNEL = next((b for b in linear.KERNELS if linear.available(b)), None)
-STORAGE = [pytest.param("xla", id="xla"),
-           pytest.param(KERNEL, id="bf16-kernel",
-                        marks=pytest.mark.skipif(KERNEL is None, reason="no bf16 CPU kernel"))]
+BACKENDS = [pytest.param("xla", id="xla"),
+            pytest.param(KERNEL, id="bf16-kernel",
+                         marks=pytest.mark.skipif(KERNEL is None, reason="no bf16 CPU kernel"))]
 PROMPTS = ["The capital of France is", "Once upon a time", "def fibonacci(n):",
            "A list of colours: red,", "Water boils at", "My favourite animal"]
 
@@ -41,7 +41,7 @@ def tokens(llm: LLM, prompts: list[str], adapters: list[str | None]) -> list[lis
     return [out.token_ids for out in llm.generate(prompts, GREEDY, adapter=adapters)]
 
 
-@pytest.mark.parametrize("backend", STORAGE)
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_rows_of_four_adapters_and_the_base_batch_as_they_run_alone(tiny_model, adapters,
                                                                     backend):
     llm = LLM(tiny_model, **SIZES, num_pages=128, max_loras=4, max_lora_rank=16,
