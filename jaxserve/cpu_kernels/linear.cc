@@ -262,19 +262,22 @@ AVX512_BF16 inline __attribute__((always_inline)) void MultiplyPair(
 
 // Rows [0, R) (of a block whose rows past `rows` hold zeros) times column blocks
 // [b, b + C), over every k block (MultiplyPair).
-template <int R, int C, bool kLo>
+// kPairs: only p's pair range of each k block (a LoRA slot's B), else every pair (a
+// branch between the two in the loop made a 256-token prefill ~6 % slower on a Zen 5).
+template <int R, int C, bool kLo, bool kPairs>
 AVX512_BF16 void VecBlock(const Problem& p, int64_t row, int64_t b, int64_t rows) {
   const uint16_t* w = p.w + b * p.w_stride * kTile;
   __m512 acc[R][C];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
   for (int64_t kb = 0; kb < p.k_blocks; ++kb) {
-    if (p.pairs == kRows)  // a constant trip count, as every projection's but a slot's
-      for (int64_t pair = 0; pair < kRows; ++pair)
-        MultiplyPair<R, C, kLo>(p, acc, w, row, kb, pair);
-    else
+    if constexpr (kPairs) {
       for (int64_t pair = p.pair0; pair < p.pair0 + p.pairs; ++pair)
         MultiplyPair<R, C, kLo>(p, acc, w, row, kb, pair);
+    } else {
+      for (int64_t pair = 0; pair < kRows; ++pair)
+        MultiplyPair<R, C, kLo>(p, acc, w, row, kb, pair);
+    }
   }
   for (int64_t r = 0; r < std::min<int64_t>(R, rows); ++r)
     for (int c = 0; c < C; ++c)
@@ -288,22 +291,22 @@ AVX512_BF16 void VecBlock(const Problem& p, int64_t row, int64_t b, int64_t rows
 // prefill's A products, 16-column runs, 11.3 ms instead of 12.3).
 constexpr int64_t kTallRows = 16;
 
-template <bool kLo>
+template <bool kLo, bool kPairs>
 AVX512_BF16 void VecColumns(const Problem& p, int64_t b0, int64_t b1) {
   const int64_t whole = b0 + (b1 - b0) / kVecBlocks * kVecBlocks;
   for (int64_t row = 0; row < p.m; row += kVecRows) {
     const int64_t rows = p.m - row;
     for (int64_t b = b0; b < whole; b += kVecBlocks) {
-      if (rows == 1) VecBlock<1, kVecBlocks, kLo>(p, row, b, rows);
-      else VecBlock<kVecRows, kVecBlocks, kLo>(p, row, b, rows);
+      if (rows == 1) VecBlock<1, kVecBlocks, kLo, kPairs>(p, row, b, rows);
+      else VecBlock<kVecRows, kVecBlocks, kLo, kPairs>(p, row, b, rows);
     }
   }
   for (int64_t b = whole; b < b1; ++b)
     for (int64_t row = 0; row < p.m; row += kTallRows) {
       const int64_t rows = p.m - row;
-      if (rows == 1) VecBlock<1, 1, kLo>(p, row, b, rows);
-      else if (rows <= kVecRows) VecBlock<kVecRows, 1, kLo>(p, row, b, rows);
-      else VecBlock<kTallRows, 1, kLo>(p, row, b, rows);
+      if (rows == 1) VecBlock<1, 1, kLo, kPairs>(p, row, b, rows);
+      else if (rows <= kVecRows) VecBlock<kVecRows, 1, kLo, kPairs>(p, row, b, rows);
+      else VecBlock<kTallRows, 1, kLo, kPairs>(p, row, b, rows);
     }
 }
 
@@ -422,8 +425,10 @@ AVX512_BF16 void Bf16Columns(const Problem& p, int64_t b0, int64_t b1) {
   const bool stream = p.m > kVecRows && p.m <= kStreamRows;
   if (stream && p.x_lo) StreamColumns<true>(p, b0, b1);
   else if (stream) StreamColumns<false>(p, b0, b1);
-  else if (p.x_lo) VecColumns<true>(p, b0, b1);
-  else VecColumns<false>(p, b0, b1);
+  else if (p.pairs != kRows && p.x_lo) VecColumns<true, true>(p, b0, b1);
+  else if (p.pairs != kRows) VecColumns<false, true>(p, b0, b1);
+  else if (p.x_lo) VecColumns<true, false>(p, b0, b1);
+  else VecColumns<false, false>(p, b0, b1);
 }
 
 // Output columns [16 * b0, 16 * b1) of a Q4_1 weight on AVX512-BF16.
