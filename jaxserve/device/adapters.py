@@ -14,10 +14,10 @@ dense matmuls by every slot's columns, whose shapes never depend on which adapte
 rows use, so every row pays for slots × rank columns, which is why slots are few. On the
 bf16 CPU kernels each token multiplies only its own slot's part of A and of B
 (cpu_kernels/linear.py's `slot_linear`, as S-LoRA's and Punica's gathered products do on
-a GPU): a 256-token prefill under an adapter cost 1.16x the base model's instead of
-1.28x (Zen 5, 4 slots of rank 16). Either way a mix of adapters compiles nothing and every
-row gets exactly the arithmetic it gets alone. A step in which no row uses an adapter skips
-the adapter products altogether (`layers.lora_terms`).
+a GPU): a 256-token prefill under an adapter cost 1.14x the base model's instead of
+1.26x (Zen 5, 4 slots of rank 16, bench/results/NOTES.md). Either way a mix of adapters
+compiles nothing and every row gets exactly the arithmetic it gets alone. A step in which
+no row uses an adapter skips the adapter products altogether (`layers.lora_terms`).
 
 The stacks are stored as the base projections are: f32, or, where the projections
 multiply on a bf16 CPU kernel (`layers.PackedWeight`), packed for that kernel, so the
