@@ -226,7 +226,12 @@ def test_idle_and_trickling_connections_do_not_slow_streams(server):
 
     async def body():
         alone, beside, reports = [], [], []
-        async with aiohttp.ClientSession(timeout=TIMEOUT) as session:
+        # The server closes a keep-alive connection idle for READ_TIMEOUT; a client that
+        # kept it longer (aiohttp's default is 15 s) could send its next request into a
+        # connection the server is closing. Real clients keep idle ones shorter than
+        # the server's default 30 s; this one keeps them shorter than READ_TIMEOUT.
+        connector = aiohttp.TCPConnector(keepalive_timeout=READ_TIMEOUT / 4)
+        async with aiohttp.ClientSession(timeout=TIMEOUT, connector=connector) as session:
             for _ in range(ROUNDS):
                 alone += await streams(session)
                 gaps, report = await beside_slow_clients(session)
