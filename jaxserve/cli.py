@@ -98,7 +98,8 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument(
         "--heap-trim-interval-s", type=float, default=10.0,
         help="return the C heap's free pages to the OS this often, so RSS follows what is "
-        "held (glibc's malloc_trim, a few ms on a worker thread); 0: never",
+        "held (glibc's malloc_trim and each thread arena's free top, a few ms on a worker "
+        "thread); 0: never",
     )
     serve.add_argument(
         "--shared-prefix-cache",
@@ -335,7 +336,7 @@ def _serve(args: argparse.Namespace) -> int:
     from server.admission import QueuePolicy
     from server.app import ServerConfig, run
 
-    heap.limit_arenas()  # before the engine's and XLA's threads start (heap.py)
+    heap.configure_malloc()  # before the engine's and XLA's threads start (heap.py)
 
     if args.num_processes > 1:
         from jaxserve.device import multihost

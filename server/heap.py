@@ -7,14 +7,21 @@ it returns a page to the OS only when the top of an arena is free. Under mixed l
 (bursts, long prompts, disconnects) the soak saw the RSS floor creep up ~11 MiB a
 minute with no live object growing (bench/results/NOTES.md). `malloc_trim(0)` walks
 every arena and releases (madvise) each whole free page in it, and the main arena's top;
-it takes a few milliseconds, on a worker thread, every `interval_s`. A thread arena's top
-stays resident until a free leaves it over the trim threshold: the few MiB by which the
-soak's RSS still moves between quiet points.
+it takes a few milliseconds, on a worker thread, every `interval_s`.
+
+A thread arena's top it leaves resident: glibc trims that only when a free in the arena
+leaves the top over the trim threshold, which its dynamic scheme raises to 64 MiB, as
+large as a thread arena's heap, so never. The soak's RSS moved by that top's few MiB
+from one quiet point to the next (up to 4.8 MiB, each move in that heap). A fixed 2 MiB
+threshold cost ~10 % of a served c=16 run (each step faulted its buffers in again), so
+the threshold is lowered only for a moment, every `interval_s`: a fresh thread, which
+malloc attaches to one of the arenas in turn, frees a block there (`_free_in_an_arena`),
+and that free trims its arena's top.
 
 Trimming alone still let the 5-minute soak's RSS floor creep up 1.6 MiB a minute: each
 of the ~20 threads that allocate (XLA's pool, aiohttp's executor) gets an arena of its
 own, up to 8 per core, each with its own fragments and high-water mark. Two arenas
-(`limit_arenas`, glibc's M_ARENA_MAX, as MALLOC_ARENA_MAX=2 would) kept it flat (0.03
+(`configure_malloc`, glibc's M_ARENA_MAX, as MALLOC_ARENA_MAX=2 would) kept it flat (0.03
 MiB/min in the same soak, bench/results/NOTES.md) at no cost in step time: the engine's
 step allocates little on the host; XLA's buffers are large and few. One arena (everything
 trimmable) kept the RSS flatter still but cost ~8 % of a served c=16 run's throughput.
@@ -25,12 +32,24 @@ import ctypes
 import ctypes.util
 import logging
 import os
+import threading
 
 log = logging.getLogger(__name__)
 
-
-M_ARENA_MAX = -8  # glibc's mallopt parameter
-ARENAS = 2
+# glibc's mallopt parameters, the environment variables that set them, and the values
+# the server sets where the operator set none: two arenas, and the mmap and trim
+# thresholds fixed at the ceilings glibc's dynamic scheme reaches on a 64-bit machine
+# within the first steps (setting one fixes both; measured neutral on a served c=16 run)
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD, M_ARENA_MAX = -1, -3, -8
+SETTINGS = (
+    (M_ARENA_MAX, "MALLOC_ARENA_MAX", 2),
+    (M_MMAP_THRESHOLD, "MALLOC_MMAP_THRESHOLD_", 32 << 20),
+    (M_TRIM_THRESHOLD, "MALLOC_TRIM_THRESHOLD_", 64 << 20),
+)
+# a block freed to trim its arena's top: past glibc's 64 KiB consolidation threshold,
+# below which a free does not trim, and under the mmap threshold, past which it is no
+# arena's
+PROBE_BYTES = 96 << 10
 
 
 def _glibc(name: str):
@@ -41,14 +60,28 @@ def _glibc(name: str):
         return None
 
 
-def limit_arenas(arenas: int = ARENAS) -> None:
-    """Cap glibc's malloc arenas for threads started from now on (a no-op without glibc,
-    or when MALLOC_ARENA_MAX is set: the operator's choice stands)."""
+def _setting(param: int) -> int:
+    """The value of a mallopt parameter: the operator's environment's, else SETTINGS'."""
+    _, name, value = next(s for s in SETTINGS if s[0] == param)
+    return int(os.environ.get(name, value))
+
+
+def _mallopt():
     mallopt = _glibc("mallopt")
-    if mallopt is None or "MALLOC_ARENA_MAX" in os.environ:
+    if mallopt is not None:
+        mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    return mallopt
+
+
+def configure_malloc() -> None:
+    """Cap glibc's malloc arenas for threads started from now on and fix its thresholds
+    (a no-op without glibc; a setting the environment makes stands)."""
+    mallopt = _mallopt()
+    if mallopt is None:
         return
-    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-    mallopt(M_ARENA_MAX, arenas)
+    for param, name, value in SETTINGS:
+        if name not in os.environ:
+            mallopt(param, value)
 
 
 class _Mallinfo2(ctypes.Structure):
@@ -71,22 +104,47 @@ def heap_bytes() -> dict[str, int] | None:
     return {"in_use": m.uordblks, "free": m.fordblks, "mmapped": m.hblkhd}
 
 
-def _malloc_trim():
-    """glibc's malloc_trim, or None on a C library without it."""
-    trim = _glibc("malloc_trim")
-    if trim is not None:
-        trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
-    return trim
+def _free_in_an_arena(malloc, free) -> None:
+    """Allocate and free PROBE_BYTES on a thread of its own: malloc attaches a new thread
+    to the next arena in turn, and the free trims that arena's top to the threshold."""
+
+    def probe():
+        free(malloc(PROBE_BYTES))
+
+    thread = threading.Thread(target=probe, name="heap-trim")
+    thread.start()
+    thread.join()
+
+
+def release_free_pages() -> bool:
+    """Give the OS every whole free page of every arena, their tops included; False
+    without glibc. Every other thread allocates on as it was meanwhile: for the moment
+    the threshold is 0, a free elsewhere that reaches a top trims it too."""
+    trim, mallopt = _glibc("malloc_trim"), _mallopt()
+    malloc, free = _glibc("malloc"), _glibc("free")
+    if None in (trim, mallopt, malloc, free):
+        return False
+    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+    malloc.argtypes, malloc.restype = [ctypes.c_size_t], ctypes.c_void_p
+    free.argtypes, free.restype = [ctypes.c_void_p], None
+    trim(0)
+    mallopt(M_TRIM_THRESHOLD, 0)
+    try:
+        for _ in range(2 * _setting(M_ARENA_MAX)):  # each arena in turn, twice
+            _free_in_an_arena(malloc, free)
+    finally:
+        mallopt(M_TRIM_THRESHOLD, _setting(M_TRIM_THRESHOLD))
+    return True
 
 
 async def trim_periodically(interval_s: float) -> None:
-    """Trim the heap every `interval_s` seconds until cancelled (no-op without glibc)."""
-    trim = _malloc_trim()
-    if trim is None or interval_s <= 0:
+    """Release free heap pages every `interval_s` seconds until cancelled (a no-op without
+    glibc)."""
+    if interval_s <= 0 or _glibc("malloc_trim") is None:
         return
     log.info("returning free heap pages to the OS every %g s (--heap-trim-interval-s)",
              interval_s)
     loop = asyncio.get_running_loop()
     while True:
         await asyncio.sleep(interval_s)
-        await loop.run_in_executor(None, trim, 0)
+        await loop.run_in_executor(None, release_free_pages)

@@ -1,7 +1,14 @@
-"""The server's heap metric (server/heap.py): glibc malloc's live bytes, so a soak can tell
-an RSS step of live malloc blocks from one of fragments or of memory malloc does not own."""
+"""The server's heap (server/heap.py): glibc malloc's live bytes as a metric, so a soak can
+tell an RSS step of live malloc blocks from one of fragments or of memory malloc does not
+own; and the free pages it gives back, a thread arena's top included."""
 
 import ctypes
+import json
+import subprocess
+import sys
+import textwrap
+
+from serving import ROOT
 
 from server.heap import heap_bytes
 from server.metrics import Metrics
@@ -29,3 +36,46 @@ def test_the_heap_metric_follows_mallocs_live_blocks():
         for block in small:
             libc.free(block)
     assert heap_metric("mmapped") < before["mmapped"] + (64 << 20)
+
+
+def test_free_pages_at_a_thread_arenas_top_go_back_to_the_os():
+    """A thread that keeps its arena (as XLA's workers do) frees 24 MiB it wrote into the
+    arena's top: malloc_trim leaves them resident, release_free_pages does not. In a
+    process of its own, configured as `jaxserve serve` configures its malloc."""
+    script = textwrap.dedent("""
+        import ctypes, json, os, sys, threading
+        sys.path.insert(0, sys.argv[1])
+        from server import heap
+        from soak import resident_by_mapping
+        heap.configure_malloc()
+        libc = ctypes.CDLL("libc.so.6")
+        libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+        libc.free.argtypes = [ctypes.c_void_p]
+        libc.malloc_trim.argtypes = [ctypes.c_size_t]
+        done, stay = threading.Event(), threading.Event()
+
+        def worker():  # a block from the arena's top, under the mmap threshold
+            block = libc.malloc(24 << 20)
+            ctypes.memset(block, 1, 24 << 20)
+            libc.free(block)
+            done.set()
+            stay.wait()
+
+        thread = threading.Thread(target=worker)
+        thread.start()
+        done.wait()
+        arenas = [resident_by_mapping(os.getpid())["arenas"]]
+        libc.malloc_trim(0)
+        arenas.append(resident_by_mapping(os.getpid())["arenas"])
+        assert heap.release_free_pages()
+        arenas.append(resident_by_mapping(os.getpid())["arenas"])
+        stay.set()
+        thread.join()
+        print(json.dumps(arenas))
+    """)
+    out = subprocess.run([sys.executable, "-c", script, str(ROOT / "bench")], cwd=ROOT,
+                         capture_output=True, text=True, timeout=60, check=True).stdout
+    written, after_malloc_trim, released = json.loads(out)
+    assert written >= 24
+    assert after_malloc_trim >= 24  # glibc: malloc_trim leaves a thread arena's top
+    assert released < 1, (written, after_malloc_trim, released)

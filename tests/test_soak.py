@@ -132,16 +132,12 @@ def test_the_rss_check_reads_the_quiet_points_not_the_load():
     assert not soak.checks(mix, events, flat, idle, final, quiet_points(0.0)[:1])["rss"]["ok"]
 
 
-# Out of the default run (`-m soak` runs it): its RSS check still fails about one run in
-# six at 5 minutes. The check reads the server's RSS at quiet points (the load paused, the
-# engine idle, a heap trim run): flat to 0.1-1.5 MiB in most runs (slopes 0.04, 0.05, 0.3,
-# 0.3 MiB/min on an Intel Xeon), but the kept RSS can step by ~4 MiB once and stay (580.6
-# -> 584.6 MiB between two points: 1.14 MiB/min) or fall by ~14 (-3.5): free pages at the
-# top of malloc's thread arena, which malloc_trim leaves resident (smaps, map by map; one
-# arena keeps it flat but costs ~8 % of c=16 throughput: NOTES.md, 2026-12-04), and which
-# 4 minutes at 1 MiB/min (4 MiB in all) cannot tell from a leak. The
-# RSS floor under load, the earlier method, read 0.03 to 2.82 across runs. The 60-minute
-# run (bench/results/soak.md) is where the checks hold.
+# In the default run (slow; `-m soak` runs it alone). The RSS check reads the server's RSS
+# at quiet points (the load paused, the engine idle, a heap trim run). Until the server
+# released the free top of malloc's thread arena too (server/heap.py), that RSS could step
+# by ~4 MiB once and stay (580.6 -> 584.6 MiB between two points: 1.14 MiB/min), and one
+# run in six failed; since, flat to 0.1 MiB (NOTES.md, 2026-12-04 night). The RSS floor
+# under load, the earlier method, read 0.03 to 2.82 MiB/min across runs.
 @pytest.mark.slow
 @pytest.mark.soak
 def test_five_minutes_of_mixed_load_leave_nothing_behind(tiny_model, tmp_path):
