@@ -3,6 +3,7 @@
 import argparse
 import dataclasses
 import gc
+import os
 import re
 import sys
 import time
@@ -337,6 +338,9 @@ def _serve(args: argparse.Namespace) -> int:
     from server.app import ServerConfig, run
 
     heap.configure_malloc()  # before the engine's and XLA's threads start (heap.py)
+    # the server tokenizes one prompt a call: rayon's pool (two more threads, started at
+    # the first prompt) would gain nothing (unless the operator sets it)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
     if args.num_processes > 1:
         from jaxserve.device import multihost

@@ -1,5 +1,6 @@
 """Slow, idle and surplus connections against a real `jaxserve serve`, on raw sockets:
-each is closed or refused in time, and none delays the streams beside them.
+each is closed or refused in time, and none delays the streams beside them; nor does a
+long prompt's tokenizing.
 
 As in test_server_load.py, the latency bound is relative to a figure measured in
 the same test on the same server, the two conditions interleaved round after round
@@ -13,7 +14,10 @@ import math
 import socket
 import subprocess
 import sys
+import threading
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import aiohttp
@@ -261,3 +265,35 @@ def test_idle_and_trickling_connections_do_not_slow_streams(server):
     # none refused (the cap is above them all); only the trickled bodies get an answer
     assert set(statuses) == {"none", "HTTP/1.1 408 Request Timeout"}, statuses
     assert ratio <= 1.2
+
+
+def test_a_long_prompt_is_tokenized_off_the_event_loop(server):
+    """A 400 kB prompt (past the context: a 400) keeps the tokenizer busy ~0.2 s; /health,
+    asked again and again meanwhile, answers within 50 ms each time. Tokenized on the
+    event loop, the answers asked for during it waited for all of it."""
+    data = json.dumps({"model": MODEL, "prompt": "word " * 80_000, "max_tokens": 4}).encode()
+    status = []
+
+    def long_prompt():
+        req = urllib.request.Request(server + "/v1/completions", data,
+                                     {"Content-Type": "application/json"})
+        try:
+            urllib.request.urlopen(req, timeout=60)
+        except urllib.error.HTTPError as e:
+            status.append(e.code)
+
+    for _ in range(3):
+        sender = threading.Thread(target=long_prompt)
+        sender.start()
+        latencies = []
+        while sender.is_alive():
+            start = time.monotonic()
+            with urllib.request.urlopen(server + "/health", timeout=60) as resp:
+                assert resp.status == 200
+            latencies.append(time.monotonic() - start)
+        sender.join()
+        print(f"/health beside a long prompt: {len(latencies)} answers, the slowest in "
+              f"{max(latencies) * 1e3:.1f} ms")
+        assert max(latencies) < 0.05, sorted(latencies)[-5:]
+        assert len(latencies) >= 3, latencies  # asked throughout
+    assert status == [400] * 3
