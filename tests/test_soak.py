@@ -132,15 +132,13 @@ def test_the_rss_check_reads_the_quiet_points_not_the_load():
     assert not soak.checks(mix, events, flat, idle, final, quiet_points(0.0)[:1])["rss"]["ok"]
 
 
-# Out of the default run (`-m soak` runs it): its TTFT check fails in about one run in
-# three. The probe's TTFT p99 (~20 of ~2,000 samples a third) is set by the probes that
-# meet the mix's periodic requests (bad inputs every 1 s, disconnects every 2 s), whose
-# phase against the probe's drifts over the run (NOTES.md, 2026-12-04 night). The RSS
-# check reads the server's RSS at quiet points (the load paused, the engine idle, a heap
-# trim run); until the server released the free top of malloc's thread arena too
-# (server/heap.py) that RSS could step by ~4 MiB once and stay (580.6 -> 584.6 MiB between
-# two points: 1.14 MiB/min), and one run in six failed; since, flat to 0.3 MiB. The RSS
-# floor under load, the earlier method, read 0.03 to 2.82 MiB/min across runs.
+# In the default run (slow; `-m soak` runs it alone). Two flakes kept it out until
+# 2026-12-04 (NOTES.md): the RSS at the quiet points stepped by ~4 MiB once in a while and
+# stayed (the free top of malloc's thread arena, which malloc_trim leaves; server/heap.py
+# now releases it): one run in six over 1 MiB/min; and the probe's TTFT p99 followed how
+# often it met the mix's 100 kB bad prompt, tokenized on the event loop with the GIL held
+# (~50 ms; now off the loop, without the GIL): one run in three over 1.2x. In the four
+# runs since: RSS flat to 0.1-0.5 MiB, TTFT late / early 0.89-1.01.
 @pytest.mark.slow
 @pytest.mark.soak
 def test_five_minutes_of_mixed_load_leave_nothing_behind(tiny_model, tmp_path):
