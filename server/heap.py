@@ -30,6 +30,7 @@ trimmable) kept the RSS flatter still but cost ~8 % of a served c=16 run's throu
 import asyncio
 import ctypes
 import ctypes.util
+import functools
 import logging
 import os
 import threading
@@ -53,8 +54,10 @@ SETTINGS = (
 PROBE_BYTES = 96 << 10
 
 
+@functools.cache
 def _glibc(name: str):
-    """A glibc function, or None on a C library without it (musl, macOS)."""
+    """A glibc function, or None on a C library without it (musl, macOS). Looked up once:
+    find_library runs `ldconfig -p` (~2 ms, a process), and each heap trim needs four."""
     try:
         return getattr(ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6"), name)
     except (OSError, AttributeError):
