@@ -7,6 +7,7 @@ int8 with scales, fp8) are checked against the reference on the same pool dequan
 by storage.dequantize: both see identical values, so they agree to f32 rounding.
 """
 
+import ctypes
 import functools
 import itertools
 
@@ -16,7 +17,12 @@ import numpy as np
 import pytest
 
 from jaxserve.cpu_kernels import build
-from jaxserve.cpu_kernels.paged_attention import TARGET, available, cpu_paged_attention
+from jaxserve.cpu_kernels.paged_attention import (
+    TARGET,
+    available,
+    cpu_paged_attention,
+    prefetch_job,
+)
 from jaxserve.device import kv_cache
 from jaxserve.device.kv_cache import KV_STORAGE
 from jaxserve.pallas_kernels.reference import ragged_paged_attention_reference_lens
@@ -309,6 +315,39 @@ def test_the_kernel_itself_refuses_other_dtypes_and_misshapen_scales():
     f32 = jnp.zeros((1, 2, 8, 4, 16), jnp.float32)  # K not transposed
     with pytest.raises(Exception, match=r"k must be v's dtype, shaped \[L, H, P, head_dim"):
         jax.block_until_ready(ffi(q, f32, f32, dummy, dummy, *ints, scale=np.float32(1)))
+
+
+def test_each_call_publishes_the_next_layers_pages_for_the_projections_to_prefetch():
+    """prefetch_job.h's list after a call on layer l: the K and V page of layer l + 1 (of
+    layer 0 after the last) for every row, KV head and page the row reads, in that order,
+    but a page that follows the row's previous one in the pool (the hardware fetches runs)."""
+    layers, kv_heads, pages, page_size, head_dim = 3, 2, 9, 16, 64
+    rng = np.random.default_rng(0)
+    k = jnp.asarray(rng.integers(0, 2**16, (layers, kv_heads, pages, head_dim, page_size)),
+                    jnp.uint16)  # bf16 bits, as the engine keeps them
+    v = jnp.asarray(rng.integers(0, 2**16, (layers, kv_heads, pages, page_size, head_dim)),
+                    jnp.uint16)
+    kv_lens = np.array([20, 40, 0, 45])
+    page_table = np.array([[3, 7, 0], [1, 5, 8], [0, 0, 0], [4, 5, 6]])
+    q = jnp.zeros((4, 2 * kv_heads, head_dim), jnp.float32)
+    page_bytes = page_size * head_dim * 2
+    job = prefetch_job()
+    for layer, following in ((0, 1), (2, 0)):
+        jax.block_until_ready(cpu_paged_attention(
+            q, k, v, jnp.arange(5, dtype=jnp.int32), jnp.asarray(kv_lens, jnp.int32),
+            jnp.asarray(page_table, jnp.int32), layer, scale=0.125, k_transposed=True))
+        expected = [
+            pool.unsafe_buffer_pointer()
+            + ((following * kv_heads + head) * pages + page_table[row, block]) * page_bytes
+            for row in range(4) for head in range(kv_heads)
+            for block in range(-(-kv_lens[row] // page_size)) for pool in (k, v)
+            if block == 0 or page_table[row, block] != page_table[row, block - 1] + 1
+        ]
+        assert len(expected) == 2 * kv_heads * (2 + 3 + 0 + 1)
+        # the struct: next, count, page_bytes (int64 each), then the pages' addresses
+        count = ctypes.c_int64.from_address(job + 8).value
+        assert ctypes.c_int64.from_address(job + 16).value == page_bytes
+        assert list((ctypes.c_void_p * count).from_address(job + 24)) == expected
 
 
 def test_the_library_is_built_once_and_keyed_by_its_inputs(tmp_path, monkeypatch):

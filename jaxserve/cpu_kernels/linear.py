@@ -30,6 +30,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
+from jaxserve.cpu_kernels import paged_attention
 from jaxserve.cpu_kernels.build import KernelUnavailable, build, cpu_flags
 
 log = logging.getLogger(__name__)
@@ -91,6 +92,9 @@ def available(backend: str) -> bool:
         jax.ffi.register_ffi_target(other_target,
                                     jax.ffi.pycapsule(getattr(library, other_symbol)),
                                     platform="cpu")
+    job = paged_attention.prefetch_job()  # the next attention call's pages, fetched meanwhile
+    if job is not None:
+        library.JaxserveSetPrefetchJob(ctypes.c_void_p(job))
     return True
 
 

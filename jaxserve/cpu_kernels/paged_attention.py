@@ -39,17 +39,32 @@ def fits(page_size: int, head_dim: int) -> bool:
 
 
 @functools.cache
+def _library() -> ctypes.CDLL:
+    return ctypes.cdll.LoadLibrary(str(build("paged_attention")))
+
+
+@functools.cache
 def available() -> bool:
     """Build (or find) the kernel library and register it with XLA; False, with the reason
     logged once, where it cannot be built."""
     try:
-        library = ctypes.cdll.LoadLibrary(str(build("paged_attention")))
+        library = _library()
     except (KernelUnavailable, OSError) as e:
         log.warning("the C++ CPU attention kernel is unavailable, serving with XLA's: %s", e)
         return False
     capsule = jax.ffi.pycapsule(library.JaxservePagedAttention)
     jax.ffi.register_ffi_target(TARGET, capsule, platform="cpu")
     return True
+
+
+def prefetch_job() -> int | None:
+    """The address of the kernel's list of the KV pages its next call will read
+    (prefetch_job.h), for linear.cc's decode loop to fetch; None without the kernel."""
+    if not available():
+        return None
+    job = _library().JaxservePrefetchJob
+    job.restype = ctypes.c_void_p
+    return job()
 
 
 def cpu_paged_attention(
