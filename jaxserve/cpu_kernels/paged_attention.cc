@@ -227,20 +227,23 @@ inline __m512 LoadRow(const Row* src) {
 template <int64_t D>
 constexpr int64_t kValueQueries = std::clamp<int64_t>(16 / (D / 16), 1, 4);
 
-// acc[qi] += sum over the page's keys j < valid[qi] of e[qi][j] * v[j], for NB queries at
-// once: their outputs stay in registers across the 16 keys, and each V row is loaded once
-// for all of them. (Walking the keys outside the queries instead loaded and stored every
-// output vector once a key: the stores bounded the loop.) A key a query does not see is
-// masked out of its sum, not multiplied by a zero weight, so a stale slot's NaN stays out.
+// acc[qi] = acc[qi] * correction[qi] + the sum over the page's keys j < valid[qi] of
+// e[qi][j] * v[j], for NB queries at once: their outputs stay in registers across the 16
+// keys, and each V row is loaded once for all of them. (Walking the keys outside the
+// queries instead loaded and stored every output vector once a key: the stores bounded
+// the loop.) A key a query does not see is masked out of its sum, not multiplied by a
+// zero weight, so a stale slot's NaN stays out.
 template <typename Row, int64_t D, int64_t NB>
 inline void AddValues(const Row* __restrict v, const float (*e)[16], const int64_t* valid,
-                      float* __restrict acc) {
+                      const float* correction, float* __restrict acc) {
   constexpr int64_t C = D / 16;
   __m512 out[NB][C];
   int64_t keys = 0;
   for (int64_t b = 0; b < NB; ++b) {
     keys = std::max(keys, valid[b]);
-    for (int64_t c = 0; c < C; ++c) out[b][c] = _mm512_loadu_ps(acc + b * D + 16 * c);
+    const __m512 corr = _mm512_set1_ps(correction[b]);
+    for (int64_t c = 0; c < C; ++c)
+      out[b][c] = _mm512_mul_ps(_mm512_loadu_ps(acc + b * D + 16 * c), corr);
   }
   for (int64_t j = 0; j < keys; ++j) {
     __m512 vr[C];
@@ -296,7 +299,6 @@ void AttendPage(const Row* __restrict kt, const Row* __restrict v, int64_t n,
                 float* __restrict l, float* __restrict acc, const char* next_v = nullptr,
                 int64_t next_v_bytes = 0) {
   static_assert(D % 16 == 0);
-  constexpr int64_t C = D / 16;  // vectors a row
   alignas(64) float e[kPageQueries][16] = {};  // a query that sees no key keeps zeros
   __m512 sums[kPageQueries];
   for (int64_t q0 = 0; q0 < n; q0 += 4) {
@@ -310,29 +312,33 @@ void AttendPage(const Row* __restrict kt, const Row* __restrict v, int64_t n,
   // the next page's V, fetched once this page's K is read (RunItem fetched the next K):
   // fetching both at once stalled on the fill buffers (~0.96x a 16-row decode step)
   for (int64_t line = 0; line < next_v_bytes; line += 64) _mm_prefetch(next_v + line, _MM_HINT_T0);
+  // each query's factor for its outputs so far (AddValues applies it as it loads them):
+  // exp(m - m_new) as AttendLanes computes it, but 1 where the running max stayed, which
+  // is what that exp gives (exactly: ExpNonPositive(0) is 1), without computing it
+  float correction[kPageQueries];
   for (int64_t qi = 0; qi < n; ++qi) {
+    correction[qi] = 1.0f;
     if (!valid[qi]) continue;
     const __mmask16 live = valid[qi] >= 16 ? 0xffff : (1u << valid[qi]) - 1;
     const __m512 scores = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), live, sums[qi]);
     const float m_new = std::max(m[qi], _mm512_reduce_max_ps(scores));
-    const float correction = m[qi] == -INFINITY ? 0.0f : _mm512_cvtss_f32(
-        ExpNonPositive(_mm512_set1_ps(m[qi] - m_new)));
+    if (m[qi] == -INFINITY)
+      correction[qi] = 0.0f;
+    else if (m_new != m[qi])
+      correction[qi] = _mm512_cvtss_f32(ExpNonPositive(_mm512_set1_ps(m[qi] - m_new)));
     const __m512 weights =
         _mm512_maskz_mov_ps(live, ExpNonPositive(_mm512_sub_ps(scores, _mm512_set1_ps(m_new))));
     _mm512_store_ps(e[qi], weights);
     m[qi] = m_new;
-    l[qi] = std::fma(l[qi], correction, SumTree(weights));
-    const __m512 corr = _mm512_set1_ps(correction);
-    for (int64_t c = 0; c < C; ++c)
-      _mm512_storeu_ps(acc + qi * D + 16 * c, _mm512_mul_ps(_mm512_loadu_ps(acc + qi * D + 16 * c), corr));
+    l[qi] = std::fma(l[qi], correction[qi], SumTree(weights));
   }
   for (int64_t q0 = 0; q0 < n; q0 += kValueQueries<D>) {
     float* out = acc + q0 * D;
     switch (std::min(kValueQueries<D>, n - q0)) {
-      case 4: AddValues<Row, D, 4>(v, e + q0, valid + q0, out); break;
-      case 3: AddValues<Row, D, 3>(v, e + q0, valid + q0, out); break;
-      case 2: AddValues<Row, D, 2>(v, e + q0, valid + q0, out); break;
-      default: AddValues<Row, D, 1>(v, e + q0, valid + q0, out);
+      case 4: AddValues<Row, D, 4>(v, e + q0, valid + q0, correction + q0, out); break;
+      case 3: AddValues<Row, D, 3>(v, e + q0, valid + q0, correction + q0, out); break;
+      case 2: AddValues<Row, D, 2>(v, e + q0, valid + q0, correction + q0, out); break;
+      default: AddValues<Row, D, 1>(v, e + q0, valid + q0, correction + q0, out);
     }
   }
 }
