@@ -613,11 +613,12 @@ void PublishNextLayer(const Problem& p, int64_t num_rows, int64_t num_layers, in
   const int64_t layer = (p.layer + 1) % num_layers;
   const int64_t page_bytes = p.page_size * p.head_dim * width;
   int64_t n = 0;
-  for (int64_t r = 0; r < num_rows; ++r) {
+  const auto room = [&] { return n + 2 <= jaxserve::PrefetchJob::kCapacity; };
+  for (int64_t r = 0; r < num_rows && room(); ++r) {
     const int64_t kv_len = std::min<int64_t>(p.kv_lens[r], p.max_pages * p.page_size);
     const int64_t blocks = (kv_len + p.page_size - 1) / p.page_size;
-    for (int64_t h = 0; h < p.num_kv_heads; ++h)
-      for (int64_t b = 0; b < blocks && n + 2 <= jaxserve::PrefetchJob::kCapacity; ++b) {
+    for (int64_t h = 0; h < p.num_kv_heads && room(); ++h)
+      for (int64_t b = 0; b < blocks && room(); ++b) {
         int64_t page = p.page_table[r * p.max_pages + b];
         if (page < 0 || page >= p.num_pages) page = 0;
         if (b > 0 && page == p.page_table[r * p.max_pages + b - 1] + 1) continue;
