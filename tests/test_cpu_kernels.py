@@ -332,10 +332,21 @@ def test_each_call_publishes_the_next_layers_pages_for_the_projections_to_prefet
     q = jnp.zeros((4, 2 * kv_heads, head_dim), jnp.float32)
     page_bytes = page_size * head_dim * 2
     job = prefetch_job()
-    for layer, following in ((0, 1), (2, 0)):
+    # the struct: next, count, page_bytes, wanted (int64 each), then the pages' addresses
+    count, wanted = (ctypes.c_int64.from_address(job + offset) for offset in (8, 24))
+    was_wanted = wanted.value
+
+    def attend(layer):
         jax.block_until_ready(cpu_paged_attention(
             q, k, v, jnp.arange(5, dtype=jnp.int32), jnp.asarray(kv_lens, jnp.int32),
             jnp.asarray(page_table, jnp.int32), layer, scale=0.125, k_transposed=True))
+
+    count.value = wanted.value = 0
+    attend(0)
+    assert count.value == 0, "nothing is published before a consumer wants it"
+    wanted.value = 1
+    for layer, following in ((0, 1), (2, 0)):
+        attend(layer)
         expected = [
             pool.unsafe_buffer_pointer()
             + ((following * kv_heads + head) * pages + page_table[row, block]) * page_bytes
@@ -344,10 +355,9 @@ def test_each_call_publishes_the_next_layers_pages_for_the_projections_to_prefet
             if block == 0 or page_table[row, block] != page_table[row, block - 1] + 1
         ]
         assert len(expected) == 2 * kv_heads * (2 + 3 + 0 + 1)
-        # the struct: next, count, page_bytes (int64 each), then the pages' addresses
-        count = ctypes.c_int64.from_address(job + 8).value
         assert ctypes.c_int64.from_address(job + 16).value == page_bytes
-        assert list((ctypes.c_void_p * count).from_address(job + 24)) == expected
+        assert list((ctypes.c_void_p * count.value).from_address(job + 32)) == expected
+    wanted.value = was_wanted
 
 
 def test_the_library_is_built_once_and_keyed_by_its_inputs(tmp_path, monkeypatch):

@@ -330,6 +330,7 @@ AVX512_BF16 void StreamBlocks(const Problem& p, int64_t b) {
   alignas(64) float acc[kStreamRows][C][kCols];
   const int64_t row_blocks = (p.m + kVecRows - 1) / kVecRows;  // rows past m hold zeros
   const uint16_t* w = p.w + b * p.w_stride * kTile;
+  if (prefetch_job) prefetch_job->Want();
   for (int64_t kb = 0; kb < p.k_blocks; ++kb) {
     if (prefetch_job)
       for (int i = 0; i < kJobPages; ++i) prefetch_job->Step();

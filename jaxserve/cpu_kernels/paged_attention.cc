@@ -609,6 +609,7 @@ jaxserve::PrefetchJob prefetch_job;  // linear.cc's kernels take it (JaxservePre
 // made a decode step 1.04x and 0.99x as long, these 1.005x and 1.008x; scattered, 0.93x
 // and 0.90x alike, at context 256 and 512 on a Zen 5).
 void PublishNextLayer(const Problem& p, int64_t num_rows, int64_t num_layers, int64_t width) {
+  if (!prefetch_job.wanted.load(std::memory_order_relaxed)) return;
   prefetch_job.count.store(0, std::memory_order_relaxed);
   const int64_t layer = (p.layer + 1) % num_layers;
   const int64_t page_bytes = p.page_size * p.head_dim * width;

@@ -21,8 +21,15 @@ namespace jaxserve {
 
 struct PrefetchJob {
   static constexpr int64_t kCapacity = 1 << 16;  // pages (K and V count one each)
-  std::atomic<int64_t> next{0}, count{0}, page_bytes{0};
+  // `wanted`: set by the first consumer (Want); until then the attention kernel publishes
+  // nothing, so CPUs and backends whose projections do not prefetch (AVX2 only, XLA's
+  // dots, the AMX loop) pay nothing for the list
+  std::atomic<int64_t> next{0}, count{0}, page_bytes{0}, wanted{0};
   std::atomic<const char*> pages[kCapacity];
+
+  inline void Want() {
+    if (!wanted.load(std::memory_order_relaxed)) wanted.store(1, std::memory_order_relaxed);
+  }
 
   // Prefetches the next page not yet claimed, if any, to L2 (_MM_HINT_T1/T2 alike on a
   // Zen 5; into L1 (T0) or non-temporally a 16-row decode step took 4 % longer, not 8 %
