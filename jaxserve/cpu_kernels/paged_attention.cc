@@ -153,6 +153,13 @@ struct Problem {
   float scale;
 };
 
+// The pool page that holds `row`'s key block `block`; an entry outside the pool (padding)
+// reads page 0, so that no kernel reads outside the pool.
+inline int64_t PageAt(const Problem& p, int64_t row, int64_t block) {
+  const int64_t page = p.page_table[row * p.max_pages + block];
+  return page < 0 || page >= p.num_pages ? 0 : page;
+}
+
 struct Item {
   int64_t row, kv_head, begin, end;  // tokens [begin, end) of `row`
 };
@@ -463,8 +470,7 @@ void RunItem(const Problem& p, const Item& it, Scratch& sc) {
   const int64_t num_blocks = last_pos < 0 ? 0 : last_pos / PS + 1;
   const int64_t layer_offset = (p.layer * p.num_kv_heads + it.kv_head) * p.num_pages;
   for (int64_t b = 0; b < num_blocks; ++b) {
-    int64_t page = p.page_table[it.row * p.max_pages + b];
-    if (page < 0 || page >= p.num_pages) page = 0;  // never read outside the pool
+    const int64_t page = PageAt(p, it.row, b);
     const int64_t first_key = b * PS;
     using Stored = typename Storage::Stored;
     const Stored* k_page = static_cast<const Stored*>(p.k) + (layer_offset + page) * PS * D;
@@ -478,8 +484,7 @@ void RunItem(const Problem& p, const Item& it, Scratch& sc) {
     const int64_t page_bytes = PS * D * int64_t{sizeof(Stored)};
     const char* next_v = nullptr;
     if (kFast && b + 1 < num_blocks) {
-      int64_t next = p.page_table[it.row * p.max_pages + b + 1];
-      if (next < 0 || next >= p.num_pages) next = 0;
+      const int64_t next = PageAt(p, it.row, b + 1);
       const char* nk = static_cast<const char*>(p.k) + (layer_offset + next) * page_bytes;
       const char* nv = static_cast<const char*>(p.v) + (layer_offset + next) * page_bytes;
       for (int64_t line = 0; line < page_bytes; line += 64) {
@@ -620,9 +625,8 @@ void PublishNextLayer(const Problem& p, int64_t num_rows, int64_t num_layers, in
     const int64_t blocks = (kv_len + p.page_size - 1) / p.page_size;
     for (int64_t h = 0; h < p.num_kv_heads && room(); ++h)
       for (int64_t b = 0; b < blocks && room(); ++b) {
-        int64_t page = p.page_table[r * p.max_pages + b];
-        if (page < 0 || page >= p.num_pages) page = 0;
-        if (b > 0 && page == p.page_table[r * p.max_pages + b - 1] + 1) continue;
+        const int64_t page = PageAt(p, r, b);
+        if (b > 0 && page == PageAt(p, r, b - 1) + 1) continue;
         const int64_t offset = ((layer * p.num_kv_heads + h) * p.num_pages + page) * page_bytes;
         for (const void* pool : {p.k, p.v})
           prefetch_job.pages[n++].store(static_cast<const char*>(pool) + offset,
