@@ -3,7 +3,9 @@ engine, model and workload, both ways, alternated in one run.
 
 The workload is the peers' mixed one run offline: prompts of 100-300 tokens, 128 output
 tokens each, `ignore_eos`, greedy, with `--max-batch` rows, so the batch stays full
-(16 rows by default: the c=16 of bench/peers.py). Each run reports output tokens/s and
+(16 rows by default: the c=16 of bench/peers.py), prefix caching off as the peers run
+(each run repeats the same prompts: with it on, every run after the first skipped its
+prefills and measured 1.5x the tokens/s). Each run reports output tokens/s and
 the engine's own split of every iteration (`StepTime`): host time, waiting on the
 device, and how long the device may have had nothing to run (`device_idle_seconds`, an
 upper bound: every host second without async scheduling; with it only the host time
@@ -67,7 +69,8 @@ def main() -> None:
 
     engines = {
         mode: LLM(args.model, max_batch=args.max_batch, max_model_len=1024,
-                  async_scheduling=on, compilation_cache_dir=".cache/jax", warmup=True)
+                  async_scheduling=on, prefix_caching=False,
+                  compilation_cache_dir=".cache/jax", warmup=True)
         for mode, on in MODES.items()
     }
     prompts = workload(args.requests, engines["sync"].config.vocab_size)

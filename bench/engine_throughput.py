@@ -15,6 +15,8 @@ import statistics
 import time
 from pathlib import Path
 
+from common import cpu_description
+
 from jaxserve import LLM, SamplingParams
 
 
@@ -68,6 +70,7 @@ def main() -> None:
         token_budget=128,
         num_pages=1024,
         max_model_len=512,
+        prefix_caching=False,  # each repeat sends the same prompts: none may be cached
         compilation_cache_dir=".cache/jax",
         warmup=True,
     )
@@ -98,6 +101,7 @@ def main() -> None:
         json.dumps(
             {
                 "model": str(llm.model_path),
+                "machine": cpu_description(),
                 "requests": args.requests,
                 "max_batch": args.max_batch,
                 "ratio": ratio,
