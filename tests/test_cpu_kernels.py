@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxserve.cpu_kernels import build
+from jaxserve.cpu_kernels import build, linear
 from jaxserve.cpu_kernels.paged_attention import (
     TARGET,
     available,
@@ -28,7 +28,9 @@ from jaxserve.device.kv_cache import KV_STORAGE
 from jaxserve.pallas_kernels.reference import ragged_paged_attention_reference_lens
 from jaxserve.pallas_kernels.storage import dequantize, value_dtype
 
-pytestmark = pytest.mark.skipif(not available(), reason="no C++ compiler here")
+# only a missing compiler skips: a kernel that no longer compiles fails here (it used to
+# skip every test below as if there were no compiler)
+pytestmark = pytest.mark.skipif(build.compiler() is None, reason="no C++ compiler here")
 
 NUM_PAGES = 96
 MAX_PAGES = 12
@@ -369,6 +371,25 @@ def test_the_library_is_built_once_and_keyed_by_its_inputs(tmp_path, monkeypatch
     mtime = first.stat().st_mtime_ns
     assert build.build("paged_attention") == first and first.stat().st_mtime_ns == mtime
     assert [p.name for p in tmp_path.iterdir()] == [first.name], "no temporary file is left"
+
+
+def test_every_kernel_compiles_and_registers():
+    """Where a compiler is, a kernel that fails to build is a failure here, not a skip of
+    its tests (they skip where the CPU lacks a kernel's instructions)."""
+    for name in ("paged_attention", "linear"):
+        build.build(name)  # raises with the compiler's errors
+    assert available()
+    flags = build.cpu_flags().split()
+    for backend, (_, _, needs) in linear.KERNELS.items():
+        assert linear.available(backend) or not all(flag in flags for flag in needs), backend
+
+
+def test_a_failed_build_shows_the_compilers_errors(tmp_path, monkeypatch):
+    monkeypatch.setattr(build, "SOURCE_DIR", tmp_path)
+    monkeypatch.setenv("JAXSERVE_KERNEL_CACHE", str(tmp_path / "cache"))
+    (tmp_path / "broken.cc").write_text("int main() { return undeclared_name; }\n")
+    with pytest.raises(build.KernelUnavailable, match="undeclared_name"):
+        build.build("broken")
 
 
 def test_without_a_compiler_the_build_says_so(monkeypatch):

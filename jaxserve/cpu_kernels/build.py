@@ -47,13 +47,18 @@ def cpu_flags() -> str:
         return platform.processor()
 
 
+def compiler() -> str | None:
+    """The C++ compiler on PATH (g++, or $CXX), if any."""
+    return shutil.which(os.environ.get("CXX", "g++"))
+
+
 def build(name: str) -> Path:
     """The shared library of `<name>.cc`, compiled here unless a matching build is cached."""
-    compiler = shutil.which(os.environ.get("CXX", "g++"))
-    if compiler is None:
+    compiler_path = compiler()
+    if compiler_path is None:
         raise KernelUnavailable("no C++ compiler (g++, or $CXX) on PATH")
     source = SOURCE_DIR / f"{name}.cc"
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
+    version = subprocess.run([compiler_path, "--version"], capture_output=True, text=True).stdout
     headers = [h.read_text() for h in sorted(SOURCE_DIR.glob("*.h"))]  # what it includes
     key = hashlib.sha256(
         "\0".join([source.read_text(), *headers, version, " ".join(FLAGS), jaxlib.__version__,
@@ -67,11 +72,13 @@ def build(name: str) -> Path:
     start = time.monotonic()
     fd, tmp = tempfile.mkstemp(dir=target.parent, suffix=".so.tmp")
     os.close(fd)
-    cmd = [compiler, *FLAGS, f"-I{jax.ffi.include_dir()}", str(source), "-o", tmp]
+    cmd = [compiler_path, *FLAGS, f"-I{jax.ffi.include_dir()}", str(source), "-o", tmp]
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode:
         os.unlink(tmp)
-        raise KernelUnavailable(f"{' '.join(cmd)} failed:\n{done.stderr[-2000:]}")
+        # the errors, not the tail: jaxlib's headers warn by the page
+        errors = [line for line in done.stderr.splitlines() if "error" in line]
+        raise KernelUnavailable(f"{' '.join(cmd)} failed:\n" + "\n".join(errors[:20]))
     os.replace(tmp, target)
     log.info("compiled %s in %.1f s: %s", name, time.monotonic() - start, target)
     return target
