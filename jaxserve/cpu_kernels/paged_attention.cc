@@ -18,8 +18,9 @@
 // V stays [page_size, head_dim].
 //
 // Storage (kv_cache.py's --kv-dtype): f32 pages are read in place as above, and so are
-// bf16 pages on the AVX-512 path (AttendPage widens each row as it loads it). Elsewhere
-// bf16, and int8 (times its f32 scale per token and head) and fp8 e4m3fn pages always,
+// bf16 and int8 pages on the AVX-512 path's AttendPage (a decode's few queries), which
+// widens each row as it loads it (int8 times its f32 scale per token and head: the
+// product that dequantizing gives). Elsewhere bf16 and int8, and fp8 e4m3fn pages always,
 // are first dequantized, one page's K and V at a time, into f32 scratch of the thread:
 // the same attention loops then run on every storage, a page's [page_size, head_dim] tile
 // is converted once however many queries read it, and the scratch stays in L1. q and the
@@ -219,15 +220,29 @@ inline __m512 ExpNonPositive(__m512 x) {
   return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
 }
 
+// 16 stored values as f32; int8 times `scale` (a lane's own: Int8::Load's product)
 template <typename Row>
-inline __m512 LoadRow(const Row* src) {
+inline __m512 LoadRow(const Row* src, __m512 scale) {
   if constexpr (std::is_same_v<Row, float>) {
     return _mm512_loadu_ps(src);
+  } else if constexpr (std::is_same_v<Row, int8_t>) {
+    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src));
+    return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes)), scale);
   } else {  // bf16 bits: the f32 with the same top half
     const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src));
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
   }
 }
+
+// A page read in place by AttendPage: its K ([D][16]) and V ([16][D]) as stored, and for
+// int8 their scales (a key's, 16 a page; f32 and bf16 pages have none).
+template <typename Row>
+struct PageView {
+  const Row* __restrict k;
+  const Row* __restrict v;
+  const float* k_scale = nullptr;
+  const float* v_scale = nullptr;
+};
 
 // Queries whose outputs AddValues keeps in registers: up to 16 vectors of accumulators
 // (4 queries of 64 values, 2 of 128), and at most 4.
@@ -241,7 +256,7 @@ constexpr int64_t kValueQueries = std::clamp<int64_t>(16 / (D / 16), 1, 4);
 // the loop.) A key a query does not see is masked out of its sum, not multiplied by a
 // zero weight, so a stale slot's NaN stays out.
 template <typename Row, int64_t D, int64_t NB>
-inline void AddValues(const Row* __restrict v, const float (*e)[16], const int64_t* valid,
+inline void AddValues(const PageView<Row>& page, const float (*e)[16], const int64_t* valid,
                       const float* correction, float* __restrict acc) {
   constexpr int64_t C = D / 16;
   __m512 out[NB][C];
@@ -254,7 +269,8 @@ inline void AddValues(const Row* __restrict v, const float (*e)[16], const int64
   }
   for (int64_t j = 0; j < keys; ++j) {
     __m512 vr[C];
-    for (int64_t c = 0; c < C; ++c) vr[c] = LoadRow(v + j * D + 16 * c);
+    const __m512 scale = page.v_scale ? _mm512_set1_ps(page.v_scale[j]) : __m512{};
+    for (int64_t c = 0; c < C; ++c) vr[c] = LoadRow(page.v + j * D + 16 * c, scale);
     for (int64_t b = 0; b < NB; ++b) {
       const __mmask16 sees = j < valid[b] ? 0xffff : 0;
       const __m512 p = _mm512_set1_ps(e[b][j]);
@@ -281,12 +297,14 @@ inline float SumTree(__m512 w) {
 // that their chains of FMAs overlap (one query's two chains of D/2 left the FMA units
 // waiting on their latency: ~20 % of a decode's attention time).
 template <typename Row, int64_t NQ, int64_t D>
-inline void Scores(const Row* __restrict kt, const float* __restrict q, __m512* out) {
+inline void Scores(const PageView<Row>& page, const float* __restrict q, __m512* out) {
   constexpr int64_t Q = D / 2;
+  const Row* __restrict kt = page.k;
+  const __m512 scale = page.k_scale ? _mm512_loadu_ps(page.k_scale) : __m512{};
   __m512 half[NQ][2];
   for (int64_t i = 0; i < NQ; ++i) half[i][0] = half[i][1] = _mm512_setzero_ps();
   for (int64_t d = 0; d < Q; ++d) {
-    const __m512 k0 = LoadRow(kt + d * 16), k1 = LoadRow(kt + (Q + d) * 16);
+    const __m512 k0 = LoadRow(kt + d * 16, scale), k1 = LoadRow(kt + (Q + d) * 16, scale);
     for (int64_t i = 0; i < NQ; ++i) {
       half[i][0] = _mm512_fmadd_ps(_mm512_set1_ps(q[i * D + d]), k0, half[i][0]);
       half[i][1] = _mm512_fmadd_ps(_mm512_set1_ps(q[i * D + Q + d]), k1, half[i][1]);
@@ -301,8 +319,7 @@ inline void Scores(const Row* __restrict kt, const float* __restrict q, __m512* 
 // chunked (batch invariance). valid[qi]: the keys of this page query qi sees (0: none);
 // q is scaled already.
 template <typename Row, int64_t D>
-void AttendPage(const Row* __restrict kt, const Row* __restrict v, int64_t n,
-                const float* __restrict q, const int64_t* valid, float* __restrict m,
+void AttendPage(const PageView<Row>& page, int64_t n, const float* __restrict q, const int64_t* valid, float* __restrict m,
                 float* __restrict l, float* __restrict acc, const char* next_v = nullptr,
                 int64_t next_v_bytes = 0) {
   static_assert(D % 16 == 0);
@@ -310,10 +327,10 @@ void AttendPage(const Row* __restrict kt, const Row* __restrict v, int64_t n,
   __m512 sums[kPageQueries];
   for (int64_t q0 = 0; q0 < n; q0 += 4) {
     switch (std::min<int64_t>(4, n - q0)) {
-      case 4: Scores<Row, 4, D>(kt, q + q0 * D, sums + q0); break;
-      case 3: Scores<Row, 3, D>(kt, q + q0 * D, sums + q0); break;
-      case 2: Scores<Row, 2, D>(kt, q + q0 * D, sums + q0); break;
-      default: Scores<Row, 1, D>(kt, q + q0 * D, sums + q0);
+      case 4: Scores<Row, 4, D>(page, q + q0 * D, sums + q0); break;
+      case 3: Scores<Row, 3, D>(page, q + q0 * D, sums + q0); break;
+      case 2: Scores<Row, 2, D>(page, q + q0 * D, sums + q0); break;
+      default: Scores<Row, 1, D>(page, q + q0 * D, sums + q0);
     }
   }
   // the next page's V, fetched once this page's K is read (RunItem fetched the next K):
@@ -342,10 +359,10 @@ void AttendPage(const Row* __restrict kt, const Row* __restrict v, int64_t n,
   for (int64_t q0 = 0; q0 < n; q0 += kValueQueries<D>) {
     float* out = acc + q0 * D;
     switch (std::min(kValueQueries<D>, n - q0)) {
-      case 4: AddValues<Row, D, 4>(v, e + q0, valid + q0, correction + q0, out); break;
-      case 3: AddValues<Row, D, 3>(v, e + q0, valid + q0, correction + q0, out); break;
-      case 2: AddValues<Row, D, 2>(v, e + q0, valid + q0, correction + q0, out); break;
-      default: AddValues<Row, D, 1>(v, e + q0, valid + q0, correction + q0, out);
+      case 4: AddValues<Row, D, 4>(page, e + q0, valid + q0, correction + q0, out); break;
+      case 3: AddValues<Row, D, 3>(page, e + q0, valid + q0, correction + q0, out); break;
+      case 2: AddValues<Row, D, 2>(page, e + q0, valid + q0, correction + q0, out); break;
+      default: AddValues<Row, D, 1>(page, e + q0, valid + q0, correction + q0, out);
     }
   }
 }
@@ -478,9 +495,10 @@ void RunItem(const Problem& p, const Item& it, Scratch& sc) {
 #ifdef __AVX512F__
     // pages of 16 keys: a prefill tile's queries AttendLanes, 16 at a time, from the page
     // in f32 (bf16, int8 and fp8 dequantized into scratch); fewer queries AttendPage, a
-    // few at a time, reading f32 and bf16 pages in place (int8 and fp8 from the scratch)
+    // few at a time, reading f32, bf16 and int8 pages in place (fp8 from the scratch)
     // the next page is elsewhere in the pool: fetch it while this one is computed (on
     // AttendPage's path its V only once this page's scores are taken: next_v)
+    constexpr bool kScaled = std::is_same_v<Storage, Int8>;
     const int64_t page_bytes = PS * D * int64_t{sizeof(Stored)};
     const char* next_v = nullptr;
     if (kFast && b + 1 < num_blocks) {
@@ -491,22 +509,30 @@ void RunItem(const Problem& p, const Item& it, Scratch& sc) {
         _mm_prefetch(nk + line, _MM_HINT_T0);
         if (lanes) _mm_prefetch(nv + line, _MM_HINT_T0);
       }
+      if (kScaled) {  // a page's 16 scales: one line each
+        _mm_prefetch(reinterpret_cast<const char*>(p.k_scale + (layer_offset + next) * PS), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(p.v_scale + (layer_offset + next) * PS), _MM_HINT_T0);
+      }
       if (!lanes) next_v = nv;
     }
     int64_t* valid = sc.valid.data();
     if (kFast && !lanes)
       for (int64_t qi = 0; qi < n; ++qi)
         valid[qi] = std::clamp<int64_t>(sc.pos[qi / group] - first_key + 1, 0, PS);
-    auto fast = [&](const auto* kr, const auto* vr) {
-      using Row = std::remove_cv_t<std::remove_pointer_t<decltype(kr)>>;
+    auto fast = [&]<typename Row>(const PageView<Row>& page_view) {
       for (int64_t q0 = 0; q0 < n; q0 += kPageQueries)
         AttendPage<Row, kHeadDim ? kHeadDim : 16>(
-            kr, vr, std::min(kPageQueries, n - q0), q + q0 * D, valid + q0, sc.m.data() + q0,
-            sc.l.data() + q0, acc + q0 * D, next_v, q0 == 0 && next_v ? page_bytes : 0);
+            page_view, std::min(kPageQueries, n - q0), q + q0 * D, valid + q0,
+            sc.m.data() + q0, sc.l.data() + q0, acc + q0 * D, next_v,
+            q0 == 0 && next_v ? page_bytes : 0);
     };
-    if constexpr (kFast && (std::is_same_v<Storage, F32> || std::is_same_v<Storage, Bf16>)) {
+    if constexpr (kFast && !std::is_same_v<Storage, Fp8E4M3FN>) {
       if (!lanes) {
-        fast(k_page, v_page);
+        const int64_t scales = (layer_offset + page) * PS;
+        if constexpr (kScaled)
+          fast(PageView<Stored>{k_page, v_page, p.k_scale + scales, p.v_scale + scales});
+        else
+          fast(PageView<Stored>{k_page, v_page});
         continue;
       }
     }
@@ -537,7 +563,7 @@ void RunItem(const Problem& p, const Item& it, Scratch& sc) {
                                 sc.lane_pos.data() + q0, sc.m.data() + q0, sc.l.data() + q0,
                                 acc + q0 * D);
       else
-        fast(kp, vp);
+        fast(PageView<float>{kp, vp});
       continue;
     }
 #endif
