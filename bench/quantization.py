@@ -8,7 +8,8 @@ Conditions, side by side: each --weight-dtype with the KV in f32 (keyed by its n
 the first, is the reference; bf16 runs on a bf16 CPU kernel (AMX, AVX512-BF16) where the
 CPU has one, and then also through XLA, keyed "bf16-xla"; auto is what the engine picks
 here), and each
---kv-dtype with f32 weights (keyed "kv-int8", "kv-fp8"). For each:
+--kv-dtype with f32 weights (keyed "kv-int8", "kv-fp8") and, where auto runs, with auto's
+weights too ("auto-kv-int8"). For each:
 - accuracy, through a live `jaxserve serve --weight-dtype W --kv-dtype K` (the
   lm-evaluation-harness path: /v1/completions with `echo` and `logprobs`):
   - log-likelihood: the mean log-probability per token of a fixed text (Python's own
@@ -59,7 +60,8 @@ NEW_TOKENS = 32
 # |ΔLL| ÷ |LL| each condition must meet
 BOUNDS = {"auto": 0.01, "auto-int8": 0.01, "f32": 0.0, "bf16": 0.01, "bf16-xla": 0.01,
           "int8": 0.01, "fp8": 0.02,
-          "kv-bf16": 0.01, "kv-int8": 0.01, "kv-fp8": 0.01}
+          "kv-bf16": 0.01, "kv-int8": 0.01, "kv-fp8": 0.01, "auto-kv-bf16": 0.01,
+          "auto-kv-int8": 0.01, "auto-kv-fp8": 0.01}
 MAX_MODEL_LEN = 4096
 
 
@@ -108,6 +110,8 @@ def conditions(weight_dtypes: list[str], kv_dtypes: list[str], kernel: bool, int
         if w == "auto" and int8:
             out["auto-int8"] = (w, "auto", "auto", "int8")
     out.update({f"kv-{k}": ("f32", k, "auto", "auto") for k in kv_dtypes})
+    if "auto" in weight_dtypes:  # what a user of the default would turn on
+        out.update({f"auto-kv-{k}": ("auto", k, "auto", "auto") for k in kv_dtypes})
     return out
 
 

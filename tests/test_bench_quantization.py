@@ -16,10 +16,13 @@ def test_help_names_the_weight_dtypes():
     assert "--weight-dtypes" in run.stdout and "--kv-dtypes" in run.stdout
 
 
-def test_conditions_pair_each_dtype_with_the_other_in_f32():
+def test_conditions_pair_each_dtype_with_the_other_in_f32_and_kv_with_auto_too():
     assert quantization.conditions(["auto", "int8"], ["fp8"], kernel=False, int8=False) == {
         "f32": ("f32", "auto", "auto", "auto"), "auto": ("auto", "auto", "auto", "auto"),
-        "int8": ("int8", "auto", "auto", "auto"), "kv-fp8": ("f32", "fp8", "auto", "auto")}
+        "int8": ("int8", "auto", "auto", "auto"), "kv-fp8": ("f32", "fp8", "auto", "auto"),
+        "auto-kv-fp8": ("auto", "fp8", "auto", "auto")}
+    assert "auto-kv-fp8" not in quantization.conditions(["int8"], ["fp8"], kernel=False,
+                                                        int8=False)
 
 
 def test_bf16_runs_through_xla_too_where_a_kernel_serves_it():
