@@ -269,7 +269,8 @@ inline void AddValues(const PageView<Row>& page, const float (*e)[16], const int
   }
   for (int64_t j = 0; j < keys; ++j) {
     __m512 vr[C];
-    const __m512 scale = page.v_scale ? _mm512_set1_ps(page.v_scale[j]) : __m512{};
+    __m512 scale{};
+    if constexpr (std::is_same_v<Row, int8_t>) scale = _mm512_set1_ps(page.v_scale[j]);
     for (int64_t c = 0; c < C; ++c) vr[c] = LoadRow(page.v + j * D + 16 * c, scale);
     for (int64_t b = 0; b < NB; ++b) {
       const __mmask16 sees = j < valid[b] ? 0xffff : 0;
@@ -300,7 +301,8 @@ template <typename Row, int64_t NQ, int64_t D>
 inline void Scores(const PageView<Row>& page, const float* __restrict q, __m512* out) {
   constexpr int64_t Q = D / 2;
   const Row* __restrict kt = page.k;
-  const __m512 scale = page.k_scale ? _mm512_loadu_ps(page.k_scale) : __m512{};
+  __m512 scale{};
+  if constexpr (std::is_same_v<Row, int8_t>) scale = _mm512_loadu_ps(page.k_scale);
   __m512 half[NQ][2];
   for (int64_t i = 0; i < NQ; ++i) half[i][0] = half[i][1] = _mm512_setzero_ps();
   for (int64_t d = 0; d < Q; ++d) {
@@ -313,15 +315,15 @@ inline void Scores(const PageView<Row>& page, const float* __restrict q, __m512*
   for (int64_t i = 0; i < NQ; ++i) out[i] = _mm512_add_ps(half[i][0], half[i][1]);
 }
 
-// A few queries on one page, its keys on the lanes (kt: the page's K, [D][16]): the
+// A few queries on one page, its keys on the lanes (page.k: its K, [D][16]): the
 // arithmetic of AttendLanes for each query, operation for operation, so that a token's
 // output never depends on how many others its tile holds, i.e. on how its prompt was
 // chunked (batch invariance). valid[qi]: the keys of this page query qi sees (0: none);
 // q is scaled already.
 template <typename Row, int64_t D>
-void AttendPage(const PageView<Row>& page, int64_t n, const float* __restrict q, const int64_t* valid, float* __restrict m,
-                float* __restrict l, float* __restrict acc, const char* next_v = nullptr,
-                int64_t next_v_bytes = 0) {
+void AttendPage(const PageView<Row>& page, int64_t n, const float* __restrict q,
+                const int64_t* valid, float* __restrict m, float* __restrict l,
+                float* __restrict acc, const char* next_v = nullptr, int64_t next_v_bytes = 0) {
   static_assert(D % 16 == 0);
   alignas(64) float e[kPageQueries][16] = {};  // a query that sees no key keeps zeros
   __m512 sums[kPageQueries];
@@ -509,10 +511,10 @@ void RunItem(const Problem& p, const Item& it, Scratch& sc) {
         _mm_prefetch(nk + line, _MM_HINT_T0);
         if (lanes) _mm_prefetch(nv + line, _MM_HINT_T0);
       }
-      if (kScaled) {  // a page's 16 scales: one line each
-        _mm_prefetch(reinterpret_cast<const char*>(p.k_scale + (layer_offset + next) * PS), _MM_HINT_T0);
-        _mm_prefetch(reinterpret_cast<const char*>(p.v_scale + (layer_offset + next) * PS), _MM_HINT_T0);
-      }
+      if (kScaled)  // a page's 16 scales: a line each
+        for (const float* scales : {p.k_scale, p.v_scale})
+          _mm_prefetch(reinterpret_cast<const char*>(scales + (layer_offset + next) * PS),
+                       _MM_HINT_T0);
       if (!lanes) next_v = nv;
     }
     int64_t* valid = sc.valid.data();
