@@ -76,9 +76,11 @@ def build(name: str) -> Path:
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode:
         os.unlink(tmp)
-        # the errors, not the tail: jaxlib's headers warn by the page
-        errors = [line for line in done.stderr.splitlines() if "error" in line]
-        raise KernelUnavailable(f"{' '.join(cmd)} failed:\n" + "\n".join(errors[:20]))
+        # the errors, not the tail: jaxlib's headers warn by the page (the tail where no
+        # line names one)
+        lines = done.stderr.splitlines()
+        errors = [line for line in lines if "error" in line][:20] or lines[-20:]
+        raise KernelUnavailable(f"{' '.join(cmd)} failed:\n" + "\n".join(errors))
     os.replace(tmp, target)
     log.info("compiled %s in %.1f s: %s", name, time.monotonic() - start, target)
     return target

@@ -494,6 +494,7 @@ void RunItem(const Problem& p, const Item& it, Scratch& sc) {
     using Stored = typename Storage::Stored;
     const Stored* k_page = static_cast<const Stored*>(p.k) + (layer_offset + page) * PS * D;
     const Stored* v_page = static_cast<const Stored*>(p.v) + (layer_offset + page) * PS * D;
+    const int64_t scales = (layer_offset + page) * PS;  // its int8 scales' offset
 #ifdef __AVX512F__
     // pages of 16 keys: a prefill tile's queries AttendLanes, 16 at a time, from the page
     // in f32 (bf16, int8 and fp8 dequantized into scratch); fewer queries AttendPage, a
@@ -530,7 +531,6 @@ void RunItem(const Problem& p, const Item& it, Scratch& sc) {
     };
     if constexpr (kFast && !std::is_same_v<Storage, Fp8E4M3FN>) {
       if (!lanes) {
-        const int64_t scales = (layer_offset + page) * PS;
         if constexpr (kScaled)
           fast(PageView<Stored>{k_page, v_page, p.k_scale + scales, p.v_scale + scales});
         else
@@ -544,7 +544,6 @@ void RunItem(const Problem& p, const Item& it, Scratch& sc) {
     const int64_t keys = std::min(PS, last_pos - first_key + 1);
     if constexpr (!std::is_same_v<Storage, F32>) {
       const bool scaled = std::is_same_v<Storage, Int8>;  // else a dummy buffer
-      const int64_t scales = (layer_offset + page) * PS;
       Storage::Load(k_page, scaled ? p.k_scale + scales : nullptr, PS, D, true, sc.k.data());
       Storage::Load(v_page, scaled ? p.v_scale + scales : nullptr, PS, D, false, sc.v.data());
     }
