@@ -162,13 +162,22 @@ class PartReport:
 
 
 def cpu_description() -> dict:
-    """lscpu's model name and flags: every benchmark result records the CPU it ran on."""
+    """lscpu's model name (with its family, model and stepping), caches and flags: every
+    benchmark result records the CPU it ran on. A VM's model name can be as bare as "AMD
+    EPYC", where only the family and model tell a Zen 4 (25, 17) from a Zen 5 (26, ...)."""
     try:
         text = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
     except (OSError, subprocess.SubprocessError):
-        return {"model": None, "flags": None}
+        return {"model": None, "caches": None, "flags": None}
     fields = {
         key.strip(): value.strip()
         for key, _, value in (line.partition(":") for line in text.splitlines())
     }
-    return {"model": fields.get("Model name"), "flags": fields.get("Flags")}
+    model = fields.get("Model name")
+    cpuid = [f"{key.lower()} {fields[key]}" for key in ("CPU family", "Model", "Stepping")
+             if fields.get(key)]
+    if model and cpuid:
+        model = f"{model} ({', '.join(cpuid)})"
+    caches = [f"{key.removesuffix(' cache')} {fields[key]}" for key in
+              ("L1d cache", "L2 cache", "L3 cache") if fields.get(key)]
+    return {"model": model, "caches": "; ".join(caches) or None, "flags": fields.get("Flags")}

@@ -1,6 +1,7 @@
 """Frozen, typed configuration records, built once at the edge (CLI or `LLM(...)`)."""
 
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, field
 
 from jaxserve.host.buckets import BucketTable
 
@@ -166,7 +167,10 @@ class EngineConfig:
     linear_backend: str = "auto"  # LINEAR_BACKENDS
     linear_activations: str = "auto"  # LINEAR_ACTIVATIONS
     tpot_slo_ms: float | None = None
-    compilation_cache_dir: str | None = None
+    # where compiled steps are kept (device/executables.py); unset, the Python API keeps
+    # none unless JAXSERVE_COMPILATION_CACHE_DIR names a directory (the CLI: .cache/jax)
+    compilation_cache_dir: str | None = field(
+        default_factory=lambda: os.environ.get("JAXSERVE_COMPILATION_CACHE_DIR") or None)
     stream_capacity: int = 256  # unread outputs a request keeps apart; past it they merge
     prefix_caching: bool = True  # reuse cached full pages of earlier prompts
     # rows no tenant may take while another is active (see scheduler);
