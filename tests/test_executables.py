@@ -62,3 +62,42 @@ def test_stale_and_torn_files(tiny_model, tmp_path, caplog):
     assert "compiling it again" in caplog.text
     assert tokens(llm) == tokens(LLM(tiny_model, **ENGINE))
     assert isinstance(llm.runner.executable_store, ExecutableStore)
+
+
+RESTART_ON_8_DEVICES = """
+import json, sys
+from jaxserve import LLM, SamplingParams
+model, cache = sys.argv[1:]
+sizes = dict(max_batch=2, num_pages=64, page_size=4, token_budget=8, weight_dtype="f32",
+             compilation_cache_dir=cache)
+params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+out = {}
+for name, mesh in [("one", {}), ("mesh", {"tp": 4, "dp": 2}), ("one again", {}),
+                   ("mesh again", {"tp": 4, "dp": 2})]:
+    llm = LLM(model, **mesh, **sizes)
+    out[name] = [llm.generate([[5, 6, 7]], params)[0].token_ids,
+                 llm.runner.executable_store.loaded]
+print(json.dumps(out))
+"""
+
+
+def test_a_one_device_engine_loads_its_steps_for_one_device_among_eight(tiny_model, tmp_path):
+    """Loaded back, an executable runs on the devices it was compiled for: jax's loader
+    gives it every device of the process unless told, and a one-device engine restarted
+    on a machine of 8 devices then failed its first step ("Expected args ... to have 8
+    shards"); an engine of the same model and sizes on a mesh keeps steps of its own."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
+           "JAX_PLATFORMS": "cpu"}
+    run = subprocess.run([sys.executable, "-c", RESTART_ON_8_DEVICES, str(tiny_model),
+                          str(tmp_path / "cache")], env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    out = json.loads(run.stdout.strip().splitlines()[-1])
+    assert out["one again"][0] == out["one"][0] == out["mesh"][0] == out["mesh again"][0]
+    assert out["one"][1] == out["mesh"][1] == 0  # each compiled its own steps
+    assert out["one again"][1] > 0 and out["mesh again"][1] > 0  # and loaded them back

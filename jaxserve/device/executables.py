@@ -44,12 +44,16 @@ def compile_ahead(fn: Callable, args: Sequence) -> jax.stages.Compiled:
 class ExecutableStore:
     """Serialized executables in `directory`, one file a (program, argument shapes)."""
 
-    def __init__(self, directory: str | Path, program: str):
+    def __init__(self, directory: str | Path, program: str, devices: Sequence[jax.Device]):
         """`program`: what the stored programs depend on beyond their arguments and the
-        code (the model's graph and config, the runner's static settings)."""
+        code (the model's graph and config, the runner's static settings); `devices`: those
+        they run on, in the order they were compiled for (one, or a mesh's), which a loaded
+        executable is given back (jax would give it every device of the process: a
+        one-device step on a machine of 8 then wants 8 shards of each argument)."""
         self.directory = Path(directory)
         self.prefix = _environment_key()
-        self.program = program
+        self.devices = list(devices)
+        self.program = repr((program, [d.id for d in self.devices]))
         self.loaded = self.stored = 0  # executables read from disk, and written to it
         self.directory.mkdir(parents=True, exist_ok=True)
         for stale in self.directory.glob("*.exe"):
@@ -62,7 +66,7 @@ class ExecutableStore:
         if path.exists():
             try:
                 executable = serialize_executable.deserialize_and_load(
-                    *pickle.loads(path.read_bytes()))
+                    *pickle.loads(path.read_bytes()), execution_devices=self.devices)
                 self.loaded += 1
                 return executable
             except Exception as e:  # noqa: BLE001 (a torn or foreign file: compile instead)
@@ -77,7 +81,8 @@ class ExecutableStore:
             payload = _SERIALIZED[path.name] = pickle.dumps(
                 serialize_executable.serialize(compiled))
         else:  # compiled here before, for another store: its first serialization
-            compiled = serialize_executable.deserialize_and_load(*pickle.loads(payload))
+            compiled = serialize_executable.deserialize_and_load(
+                *pickle.loads(payload), execution_devices=self.devices)
         self.stored += 1
         temporary = path.with_suffix(f".{os.getpid()}.tmp")
         temporary.write_bytes(payload)

@@ -191,9 +191,14 @@ class ModelRunner:
         self._executables: dict[tuple[str, tuple[int, int]], jax.stages.Compiled] = {}
         self.executable_store = None
         if executable_dir is not None:
+            # the layout too: the arguments' shardings are not in the store's key (host
+            # arrays), and one model and sizes on one device or on a mesh differ only there
             program = repr((cfg, self.graphdef, jax.tree.structure(self.state), self.backend,
-                            self.page_size, self.max_pages, self.kv_dtype, self.spare_row))
-            self.executable_store = ExecutableStore(executable_dir, program)
+                            self.page_size, self.max_pages, self.kv_dtype, self.spare_row,
+                            self.layout))
+            devices = (list(self._weights[0].devices()) if mesh is None
+                       else list(mesh.devices.flat))
+            self.executable_store = ExecutableStore(executable_dir, program, devices)
         # process 0 of several announces each device call to the others (multihost)
         self.channel = StepChannel() if jax.process_count() > 1 and is_leader() else None
         self.step_times: dict[tuple[int, int], float] = {}  # bucket -> median seconds
