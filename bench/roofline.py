@@ -41,7 +41,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
-from common import RESULTS, markdown_table, write_json
+from common import RESULTS, cpu_description, markdown_table, write_json
 from steps import fabricated_step, release
 
 from jaxserve import LLM
@@ -269,6 +269,7 @@ def main() -> None:
             "page_size": args.page_size,
             "steps": args.steps,
             "machine": machine,
+            "cpu": cpu_description(),
         },
     )
     print(f"wrote {args.out}; use it as: jaxserve plan --model ... --calibrate {args.out}")
