@@ -301,6 +301,18 @@ def test_smollm2_greedy_tokens_match_one_device_on_every_mesh(tmp_path):
     assert len(held) == 8 and all(total / 8 <= b <= 1.01 * total / 8 for b in held)
 
 
+def test_a_one_device_engine_loads_its_steps_for_one_device_among_eight(tmp_path):
+    """Loaded back (device/executables.py), an executable runs on the devices it was
+    compiled for: jax's loader gives it every device of the process unless told, and a
+    one-device engine restarted on a machine of 8 devices then failed its first step
+    ("Expected args ... to have 8 shards"); an engine of the same model and sizes on a
+    mesh keeps steps of its own."""
+    out = run_worker("restart", tmp_path)
+    assert out["one again"][0] == out["one"][0] == out["mesh"][0] == out["mesh again"][0]
+    assert out["one"][1] == out["mesh"][1] == 0  # each compiled its own steps
+    assert out["one again"][1] > 0 and out["mesh again"][1] > 0  # and loaded them back
+
+
 def test_two_processes_of_4_devices_run_as_one_8_device_mesh(tmp_path):
     write_random_model(tmp_path / "model")
     with socket.socket() as sock:
@@ -785,6 +797,24 @@ def _pallas_scenario(directory: Path) -> dict:
     }
 
 
+def _restart_scenario(directory: Path) -> dict:
+    """A one-device engine and a tp 4 × dp 2 one of the same sizes, each started twice
+    with one store: each start's greedy tokens and the steps it loaded."""
+    from jaxserve import LLM, SamplingParams
+
+    write_random_model(directory / "model")
+    sizes = {"max_batch": 2, "num_pages": 64, "page_size": 4, "token_budget": 8,
+             "weight_dtype": "f32", "compilation_cache_dir": str(directory / "cache")}
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    out = {}
+    for name, mesh in [("one", {}), ("mesh", {"tp": 4, "dp": 2}), ("one again", {}),
+                       ("mesh again", {"tp": 4, "dp": 2})]:
+        llm = LLM(directory / "model", **mesh, **sizes)
+        out[name] = [llm.generate([[5, 6, 7]], params)[0].token_ids,
+                     llm.runner.executable_store.loaded]
+    return out
+
+
 if __name__ == "__main__":
     scenario, directory, *extra = sys.argv[1:]
     run = {
@@ -792,5 +822,6 @@ if __name__ == "__main__":
         "pallas": _pallas_scenario,
         "smollm2": _smollm2_scenario,
         "multihost": _multihost_scenario,
+        "restart": _restart_scenario,
     }[scenario]
     print(json.dumps(run(Path(directory), *map(int, extra))))
