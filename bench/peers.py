@@ -19,7 +19,7 @@ first use into their own environments under .cache/peers/, never into .venv/):
 - jaxserve-f32: the same with `--weight-dtype f32`, the storage token-identical to
   transformers (the same as `jaxserve` on a CPU without AMX or AVX512-BF16).
 - jaxserve-int8: the same with `--linear-activations int8` (opt-in, AVX512-VNNI): the Q4_1
-  projections take int8 activations, as llama.cpp computes them.
+  projections take int8 activations in two terms (llama.cpp's, then its remainder's).
 - jaxserve-kv-int8: the same with `--kv-dtype int8` (opt-in): KV pages in int8 with a scale
   per token and head, half of bf16's bytes for attention to read.
 - jaxserve-sync, jaxserve-async: the same with `--no-async-scheduling` and
@@ -90,7 +90,7 @@ HOW = {
                 "f32) over HTTP",
     "jaxserve-f32": "jaxserve serve --weight-dtype f32 (token-identical to transformers) over HTTP",
     "jaxserve-int8": "jaxserve serve --linear-activations int8 (opt-in: the Q4_1 projections "
-                     "take int8 activations, as llama.cpp computes them; AVX512-VNNI) over HTTP",
+                     "take int8 activations in two terms; AVX512-VNNI) over HTTP",
     "jaxserve-kv-int8": "jaxserve serve --kv-dtype int8 (opt-in: KV pages in int8, a scale a "
                         "token and head) over HTTP",
     "jaxserve-sync": "jaxserve serve --no-async-scheduling over HTTP",

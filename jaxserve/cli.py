@@ -225,8 +225,8 @@ def _engine_flags(parser: argparse.ArgumentParser) -> None:
         help="what a bf16 CPU kernel multiplies the weights by: bf16 rounds the activations "
         "(one pass, as vLLM's bf16 does), f32 keeps them (two passes: x times the bf16 "
         "weight, as XLA computes it; prefill ~1.6x slower), int8 quantizes them per block "
-        "of 32 for a GGUF file's Q4_1 projections (as llama.cpp does; AVX512-VNNI); auto: "
-        "bf16",
+        "of 32 in two int8 terms for a GGUF file's Q4_1 projections (closer to f32 than "
+        "bf16; AVX512-VNNI, no AMX: faster at one row, slower at prefill); auto: bf16",
     )
     group.add_argument("--tpot-slo-ms", type=float, help="cap the batch so steps stay under 60%%")
     group.add_argument(

@@ -216,11 +216,13 @@ INT8 = pytest.mark.skipif(not linear.int8_available(),
 
 @INT8
 @pytest.mark.parametrize("backend", KERNELS)  # both run the AVX512-VNNI loop
-def test_int8_activations_compute_llamacpps_q8_arithmetic(backend):
-    """passes 0: each row's block of 32 inputs quantized to int8 with one scale, the dot
-    products with the Q4_1 nibbles exact, the blocks summed in f32 (linear.q8_reference,
-    in float64): one row, register blocks and their remainder, a prefill, at each layer of
-    a stack, k not a whole number of blocks of x; each row's bits the same in any batch."""
+def test_int8_activations_compute_two_term_q8_arithmetic(backend):
+    """passes 0: each row's block of 32 inputs quantized to int8 in two terms (the second
+    the first's remainder), the dot products with the Q4_1 nibbles exact, the blocks summed
+    in f32 (linear.q8_reference, in float64): one row, register blocks and their
+    remainder, a prefill, at each layer of a stack, k not a whole number of blocks of x;
+    each row's bits the same in any batch; within 2e-4 of the exact product (one term,
+    llama.cpp's, is 5.6e-3 off here: its rounding is max|x| / 254 a block)."""
     rng = np.random.default_rng(5)
     blocks = q4_1_blocks(rng, 2, 80, 576)
     packed = linear.pack_q4_1(blocks)
@@ -238,11 +240,11 @@ def test_int8_activations_compute_llamacpps_q8_arithmetic(backend):
                                                          jnp.asarray(packed), layer,
                                                          backend, 0)) for i in (0, 7, 39)]
                 np.testing.assert_array_equal(np.concatenate(alone), got[[0, 7, 39]])
-    # within int8's rounding of the exact product: 2^-8 of a block's largest input
+    # within two terms' rounding of the exact product: max|x| / 64,516 a block
     exact = x.astype(np.float64) @ linear.unpack_q4_1(packed[0]).astype(np.float64)
     got = np.asarray(linear.packed_linear(jnp.asarray(x), jnp.asarray(packed), 0,
                                           backend, 0))
-    assert np.abs(got - exact).max() < 0.02 * np.abs(exact).max()
+    assert np.abs(got - exact).max() < 2e-4 * np.abs(exact).max()
 
 
 @INT8

@@ -14,8 +14,8 @@ either kernel: it widens each tile to bf16 as it multiplies it, exactly as `pack
 the dequantized weight, so the results are the bf16 packing's bit for bit, and a decode
 step, which streams every weight once, reads a third of the bytes. On AVX512-VNNI
 a Q4_1 weight can instead take int8 activations (`passes` 0: x quantized per row and
-block of 32 inputs, the nibbles multiplied as integers, as llama.cpp computes a Q4_1
-file; reference `q8_reference`), with no widening at all.
+block of 32 inputs in two int8 terms, the second the first's remainder, and the nibbles
+multiplied as integers; reference `q8_reference`), with no widening at all.
 
 LoRA adapters' stacked A and B (device/adapters.py) are packed like any bf16 weight, and
 `slot_linear` multiplies each row by its own adapter slot's part of them only.
@@ -202,9 +202,10 @@ def unpack_q4_1(packed: np.ndarray) -> np.ndarray:
 def q8_reference(x: np.ndarray, packed: np.ndarray) -> np.ndarray:
     """What int8 activations (`passes` 0) compute for x [m, k] and one Q4_1 weight (`pack_q4_1`),
     in float64 from the same quantized values: each row's block of 32 inputs as d = max|x|
-    / 127 and q = round(x / d) (to nearest even, in f32), s = d * sum(q); a column's block
-    adds dw * d * (q_w . q) + mw * s. The kernel sums the blocks in f32, so it agrees to
-    f32 rounding."""
+    / 127 and q = round(x / d) (to nearest even, in f32), then its remainder r = x - d * q
+    (rounded once to f32) as d2 = max|r| / 127 and q2 = round(r / d2); s = d * sum(q) + d2
+    * sum(q2); a column's block adds dw * (d * (q_w . q) + d2 * (q_w . q2)) + mw * s. The
+    kernel sums the blocks in f32, so it agrees to f32 rounding."""
     n_blocks, k_blocks = packed.shape[:2]
     m, k = x.shape
     tiles = np.asarray(packed).reshape(n_blocks, k_blocks, -1)
@@ -215,12 +216,22 @@ def q8_reference(x: np.ndarray, packed: np.ndarray) -> np.ndarray:
     xb = np.zeros((m, k_blocks * DEPTH), np.float32)
     xb[:, :k] = x
     xb = xb.reshape(m, k_blocks, DEPTH)
-    d = np.abs(xb).max(-1) / np.float32(127)
-    inv = np.divide(np.float32(1), d, out=np.zeros_like(d), where=d != 0)
-    q = np.rint(xb * inv[..., None])
-    s = d.astype(np.float64) * q.sum(-1)
-    dots = np.einsum("rbi,nbic->rbnc", q.astype(np.float64), qw.astype(np.float64))
-    y = dots * dw[None].transpose(0, 2, 1, 3) * d[:, :, None, None] + (
+
+    def quantized(v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:  # d, q of each block
+        d = np.abs(v).max(-1) / np.float32(127)
+        inv = np.divide(np.float32(1), d, out=np.zeros_like(d), where=d != 0)
+        return d, np.rint(v * inv[..., None])
+
+    d, q = quantized(xb)
+    remainder = (xb - d[..., None].astype(np.float64) * q).astype(np.float32)  # exact, rounded
+    d2, q2 = quantized(remainder)
+    s = d.astype(np.float64) * q.sum(-1) + d2.astype(np.float64) * q2.sum(-1)
+
+    def dots(q: np.ndarray) -> np.ndarray:  # [m, kb, nb, 16]
+        return np.einsum("rbi,nbic->rbnc", q.astype(np.float64), qw.astype(np.float64))
+
+    scale = dw[None].transpose(0, 2, 1, 3)
+    y = (dots(q) * d[:, :, None, None] + dots(q2) * d2[:, :, None, None]) * scale + (
         mw[None].transpose(0, 2, 1, 3) * s[:, :, None, None])
     return y.sum(1).reshape(m, n_blocks * 16)
 
