@@ -62,4 +62,3 @@ def test_stale_and_torn_files(tiny_model, tmp_path, caplog):
     assert "compiling it again" in caplog.text
     assert tokens(llm) == tokens(LLM(tiny_model, **ENGINE))
     assert isinstance(llm.runner.executable_store, ExecutableStore)
-

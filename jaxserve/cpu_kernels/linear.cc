@@ -473,6 +473,23 @@ struct Int8Rows {
   int64_t k_blocks;
 };
 
+// The largest |value| of a block's two halves.
+AVX512_VNNI inline float AbsMax(__m512 a, __m512 b) {
+  return _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+}
+
+// round(v / d) to nearest even, as int32 (d 0: zeros).
+AVX512_VNNI inline __m512i Quantize(__m512 v, float d) {
+  return _mm512_cvtps_epi32(_mm512_mul_ps(v, _mm512_set1_ps(d != 0.0f ? 1.0f / d : 0.0f)));
+}
+
+// A term's two halves stored as 32 int8 at `dst` in `order`; the sum of its values.
+AVX512_VNNI inline int32_t StoreTerm(__m512i lo, __m512i hi, __m256i order, int8_t* dst) {
+  const __m256i bytes = _mm256_set_m128i(_mm512_cvtepi32_epi8(hi), _mm512_cvtepi32_epi8(lo));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), _mm256_permutexvar_epi8(order, bytes));
+  return _mm512_reduce_add_epi32(_mm512_add_epi32(lo, hi));
+}
+
 // x [m, k] quantized per row and block of 32 inputs in two terms (Int8Rows); inputs past k
 // are zeros.
 AVX512_VNNI void QuantizeRows(const float* x, int64_t m, int64_t k, int64_t k_blocks,
@@ -491,36 +508,21 @@ AVX512_VNNI void QuantizeRows(const float* x, int64_t m, int64_t k, int64_t k_bl
       };
       const __m512 v0 = _mm512_maskz_loadu_ps(live(c), x + r * k + c);
       const __m512 v1 = _mm512_maskz_loadu_ps(live(c + 16), x + r * k + c + 16);
-      const float amax = _mm512_reduce_max_ps(
-          _mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
       // an inf or NaN input (x * 0 is NaN) makes the block's scale NaN: non-finite in, out
       const __m512 zero = _mm512_setzero_ps();
       const bool finite = !(_mm512_cmp_ps_mask(_mm512_mul_ps(v0, zero), zero, _CMP_NEQ_UQ) |
                             _mm512_cmp_ps_mask(_mm512_mul_ps(v1, zero), zero, _CMP_NEQ_UQ));
-      const float dd = finite ? amax / 127.0f : std::numeric_limits<float>::quiet_NaN();
-      const float id = finite && dd != 0.0f ? 1.0f / dd : 0.0f;
-      const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, _mm512_set1_ps(id)));
-      const __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, _mm512_set1_ps(id)));
-      // the remainders x - d * q, rounded once (a fused multiply-add)
-      const __m512 ddv = _mm512_set1_ps(finite ? dd : 0.0f);
-      const __m512 r0 = _mm512_fnmadd_ps(ddv, _mm512_cvtepi32_ps(q0), v0);
-      const __m512 r1 = _mm512_fnmadd_ps(ddv, _mm512_cvtepi32_ps(q1), v1);
-      const float dd2 =
-          finite ? _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(r0), _mm512_abs_ps(r1))) /
-                       127.0f
-                 : 0.0f;
-      const float id2 = dd2 != 0.0f ? 1.0f / dd2 : 0.0f;
-      const __m512i p0 = _mm512_cvtps_epi32(_mm512_mul_ps(r0, _mm512_set1_ps(id2)));
-      const __m512i p1 = _mm512_cvtps_epi32(_mm512_mul_ps(r1, _mm512_set1_ps(id2)));
-      const int32_t sum = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
-      const int32_t sum2 = _mm512_reduce_add_epi32(_mm512_add_epi32(p0, p1));
       const int64_t at = (r * k_blocks + kb) * kDepth;
-      const __m256i bytes = _mm256_set_m128i(_mm512_cvtepi32_epi8(q1), _mm512_cvtepi32_epi8(q0));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + at),
-                          _mm256_permutexvar_epi8(order, bytes));
-      const __m256i bytes2 = _mm256_set_m128i(_mm512_cvtepi32_epi8(p1), _mm512_cvtepi32_epi8(p0));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(q2 + at),
-                          _mm256_permutexvar_epi8(order, bytes2));
+      const float dd = finite ? AbsMax(v0, v1) / 127.0f : std::numeric_limits<float>::quiet_NaN();
+      const float scale = finite ? dd : 0.0f;  // a non-finite block's q: zeros
+      const __m512i q0 = Quantize(v0, scale), q1 = Quantize(v1, scale);
+      // the remainders x - d * q, rounded once (a fused multiply-add)
+      const __m512 r0 = _mm512_fnmadd_ps(_mm512_set1_ps(scale), _mm512_cvtepi32_ps(q0), v0);
+      const __m512 r1 = _mm512_fnmadd_ps(_mm512_set1_ps(scale), _mm512_cvtepi32_ps(q1), v1);
+      const float dd2 = finite ? AbsMax(r0, r1) / 127.0f : 0.0f;
+      const __m512i p0 = Quantize(r0, dd2), p1 = Quantize(r1, dd2);
+      const int32_t sum = StoreTerm(q0, q1, order, q + at);
+      const int32_t sum2 = StoreTerm(p0, p1, order, q2 + at);
       d[r * k_blocks + kb] = dd;
       d2[r * k_blocks + kb] = dd2;
       s[r * k_blocks + kb] = dd * static_cast<float>(sum) + dd2 * static_cast<float>(sum2);
