@@ -196,8 +196,8 @@ struct Scratch {
 // below, 30 layers, 16 decode rows at context 256: f32 pages 21 -> 14-17 ms, bf16 17 ->
 // 13-14 ms, with the next page prefetched) took every query: ~3x AttendLanes' time on a
 // 256-token prefill, where a scalar exp per key was ~40 % of it.
-constexpr int64_t kPageQueries = 7;
-constexpr int64_t kPagesAhead = 4;  // a decode's pages fetched to L2 this far ahead (RunItem)  // a page's queries at a time: their weights fit on the stack
+constexpr int64_t kPageQueries = 7;  // a page's queries at a time: their weights fit on the stack
+constexpr int64_t kPagesAhead = 4;  // a decode's pages fetched to L2 this far ahead (RunItem)
 
 // ExpNonPositive on 16 lanes at once. (The compiler left the scalar one unvectorized in
 // AttendPage's loop over a page's 16 weights, a branch and 20 scalar operations a key:
@@ -525,11 +525,13 @@ void RunItem(const Problem& p, const Item& it, Scratch& sc) {
     // 23.3-24.0 ms on an AMX Xeon (2 and 32 ahead: less). The item's first pages at its
     // start: page 1 above, 2..4 here.
     if (kFast && !lanes)
-      for (int64_t a = b == 0 ? 2 : b + kPagesAhead; a <= b + kPagesAhead && a < num_blocks; ++a) {
+      for (int64_t a = b == 0 ? 2 : b + kPagesAhead; a <= b + kPagesAhead && a < num_blocks;
+           ++a) {
         const int64_t ahead = PageAt(p, it.row, a);
         for (const void* pages : {p.k, p.v}) {
           const char* at = static_cast<const char*>(pages) + (layer_offset + ahead) * page_bytes;
-          for (int64_t line = 0; line < page_bytes; line += 64) _mm_prefetch(at + line, _MM_HINT_T1);
+          for (int64_t line = 0; line < page_bytes; line += 64)
+            _mm_prefetch(at + line, _MM_HINT_T1);
         }
       }
     int64_t* valid = sc.valid.data();
