@@ -25,6 +25,15 @@ own, up to 8 per core, each with its own fragments and high-water mark. Two aren
 MiB/min in the same soak, bench/results/NOTES.md) at no cost in step time: the engine's
 step allocates little on the host; XLA's buffers are large and few. One arena (everything
 trimmable) kept the RSS flatter still but cost ~8 % of a served c=16 run's throughput.
+
+Each step XLA allocates its temporary buffers afresh (tens of MiB, under the mmap
+threshold, so from the executing thread's arena). Where that arena's heap (64 MiB at most)
+had no room, malloc mapped a new heap for them, and the free that emptied it unmapped it
+again (glibc keeps an empty heap only while the heap before it has less than M_TOP_PAD
+free): a served c=16 run did so ~200-600 times, and its steps faulted 150-580 thousand
+pages back in, ~5 % of its throughput (bench/results/NOTES.md). A 64 MiB top pad keeps
+such a heap mapped; `release_free_pages` lowers it for a moment, as it does the trim
+threshold.
 """
 
 import asyncio
@@ -38,15 +47,17 @@ import threading
 log = logging.getLogger(__name__)
 
 # glibc's mallopt parameters, the environment variables that set them, and the values
-# the server sets where the operator set none: two arenas, and the mmap and trim
-# thresholds fixed at the ceilings glibc's dynamic scheme reaches on a 64-bit machine
-# within the first steps (setting one fixes both). Served c=16 against the dynamic scheme
-# without the top's release: 0.975 (median of 8 alternated rounds, 0.91-1.02: noise here)
-M_TRIM_THRESHOLD, M_MMAP_THRESHOLD, M_ARENA_MAX = -1, -3, -8
+# the server sets where the operator set none: two arenas, the mmap and trim thresholds
+# fixed at the ceilings glibc's dynamic scheme reaches on a 64-bit machine within the
+# first steps (setting one fixes both; served c=16 against the dynamic scheme without the
+# top's release: 0.975, median of 8 alternated rounds, 0.91-1.02: noise here), and a top
+# pad that keeps a thread arena's emptied heap mapped (the module's docstring).
+M_TRIM_THRESHOLD, M_TOP_PAD, M_MMAP_THRESHOLD, M_ARENA_MAX = -1, -2, -3, -8
 SETTINGS = (
     (M_ARENA_MAX, "MALLOC_ARENA_MAX", 2),
     (M_MMAP_THRESHOLD, "MALLOC_MMAP_THRESHOLD_", 32 << 20),
     (M_TRIM_THRESHOLD, "MALLOC_TRIM_THRESHOLD_", 64 << 20),
+    (M_TOP_PAD, "MALLOC_TOP_PAD_", 64 << 20),
 )
 # a block freed to trim its arena's top: past glibc's 64 KiB consolidation threshold,
 # below which a free does not trim, and under the mmap threshold, past which it is no
@@ -123,7 +134,7 @@ def _free_in_an_arena(malloc, free) -> None:
 def release_free_pages() -> bool:
     """Give the OS every whole free page of every arena, their tops included; False
     without glibc. Every other thread allocates on as it was meanwhile: for the moment
-    the threshold is 0, a free elsewhere that reaches a top trims it too."""
+    the threshold and the pad are 0, a free elsewhere that reaches a top trims it too."""
     trim, mallopt = _glibc("malloc_trim"), _mallopt()
     malloc, free = _glibc("malloc"), _glibc("free")
     if None in (trim, mallopt, malloc, free):
@@ -133,10 +144,12 @@ def release_free_pages() -> bool:
     free.argtypes, free.restype = [ctypes.c_void_p], None
     trim(0)
     mallopt(M_TRIM_THRESHOLD, 0)
+    mallopt(M_TOP_PAD, 0)
     try:
         for _ in range(2 * _setting(M_ARENA_MAX)):  # each arena in turn, twice
             _free_in_an_arena(malloc, free)
     finally:
+        mallopt(M_TOP_PAD, _setting(M_TOP_PAD))
         mallopt(M_TRIM_THRESHOLD, _setting(M_TRIM_THRESHOLD))
     return True
 
