@@ -10,6 +10,18 @@ import textwrap
 
 from serving import ROOT
 
+# a test's own process, its malloc configured as `jaxserve serve` configures it, with
+# glibc's malloc and free at hand (sys.argv[1]: a folder to import from)
+CONFIGURED = textwrap.dedent("""
+    import ctypes, json, os, resource, sys, threading
+    sys.path.insert(0, sys.argv[1])
+    from server import heap
+    heap.configure_malloc()
+    libc = ctypes.CDLL("libc.so.6")
+    libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+    libc.free.argtypes = [ctypes.c_void_p]
+""")
+
 
 def test_the_heap_metric_follows_mallocs_live_blocks():
     """In a process of its own: in the suite's, an arena may hold a free chunk that takes
@@ -50,15 +62,8 @@ def test_free_pages_at_a_thread_arenas_top_go_back_to_the_os():
     """A thread that keeps its arena (as XLA's workers do) frees 24 MiB it wrote into the
     arena's top: malloc_trim leaves them resident, release_free_pages does not. In a
     process of its own, configured as `jaxserve serve` configures its malloc."""
-    script = textwrap.dedent("""
-        import ctypes, json, os, sys, threading
-        sys.path.insert(0, sys.argv[1])
-        from server import heap
+    script = CONFIGURED + textwrap.dedent("""
         from soak import resident_by_mapping
-        heap.configure_malloc()
-        libc = ctypes.CDLL("libc.so.6")
-        libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
-        libc.free.argtypes = [ctypes.c_void_p]
         libc.malloc_trim.argtypes = [ctypes.c_size_t]
         done, stay = threading.Event(), threading.Event()
 
@@ -96,14 +101,7 @@ def test_a_thread_arenas_emptied_heap_stays_mapped():
     temporaries' pages back in (a served c=16 run: 150-580 thousand faults). The server's
     64 MiB pad keeps it: ten 29 MiB steps fault their pages in once. With the default
     pad (the environment's, which configure_malloc leaves), ten times."""
-    script = textwrap.dedent("""
-        import ctypes, json, resource, sys, threading
-        sys.path.insert(0, sys.argv[1])
-        from server import heap
-        heap.configure_malloc()
-        libc = ctypes.CDLL("libc.so.6")
-        libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
-        libc.free.argtypes = [ctypes.c_void_p]
+    script = CONFIGURED + textwrap.dedent("""
         faults = []
 
         def worker():  # an arena of its own, its first heap ~40 MiB full
