@@ -10,25 +10,25 @@ import textwrap
 
 from serving import ROOT
 
-# a test's own process, its malloc configured as `jaxserve serve` configures it, with
-# glibc's malloc and free at hand (sys.argv[1]: a folder to import from)
-CONFIGURED = textwrap.dedent("""
+# a test's own process with glibc's malloc and free at hand (sys.argv[1]: a folder to
+# import from); CONFIGURED: its malloc configured as `jaxserve serve` configures it
+LIBC = textwrap.dedent("""
     import ctypes, json, os, resource, sys, threading
     sys.path.insert(0, sys.argv[1])
-    from server import heap
-    heap.configure_malloc()
     libc = ctypes.CDLL("libc.so.6")
     libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
     libc.free.argtypes = [ctypes.c_void_p]
+""")
+CONFIGURED = LIBC + textwrap.dedent("""
+    from server import heap
+    heap.configure_malloc()
 """)
 
 
 def test_the_heap_metric_follows_mallocs_live_blocks():
     """In a process of its own: in the suite's, an arena may hold a free chunk that takes
     the 64 MiB block, which then is in use rather than mmapped (CI saw it once)."""
-    script = textwrap.dedent("""
-        import ctypes, json, sys
-        sys.path.insert(0, sys.argv[1])
+    script = LIBC + textwrap.dedent("""
         from server.heap import heap_bytes
         from server.metrics import Metrics
 
@@ -37,9 +37,6 @@ def test_the_heap_metric_follows_mallocs_live_blocks():
             text = Metrics().render().decode()
             return float(next(x for x in text.splitlines() if x.startswith(line)).split()[-1])
 
-        libc = ctypes.CDLL("libc.so.6")
-        libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
-        libc.free.argtypes = [ctypes.c_void_p]
         before = heap_bytes()
         large = libc.malloc(64 << 20)  # past the mmap threshold: mmapped
         small = [libc.malloc(4096) for _ in range(2048)]  # 8 MiB in the arenas
