@@ -16,7 +16,7 @@ from gguf import quants as gguf_quants
 
 from jaxserve import LLM, SamplingParams, planner
 from jaxserve.cpu_kernels import linear
-from jaxserve.models.layers import PackedWeight
+from jaxserve.models.layers import PackedWeight, rms_norm
 
 KERNELS = [pytest.param(b, marks=pytest.mark.skipif(
     not linear.available(b), reason=f"this CPU has no {b}")) for b in linear.KERNELS]
@@ -100,6 +100,37 @@ def test_a_row_gets_the_same_bits_in_any_batch(backend, passes):
         part = np.asarray(linear.packed_linear(jnp.asarray(x[:m]), w, backend=backend,
                                                passes=passes))
         np.testing.assert_array_equal(part, whole[:m], err_msg=f"{m} rows")
+
+
+@pytest.mark.parametrize("backend", KERNELS)
+@pytest.mark.parametrize("k", [576, 100, 64, 1])
+def test_the_kernels_norm_gives_the_bits_of_rms_norm_under_xla(backend, k):
+    """A projection's RMSNorm in the kernel (`norm`) and XLA's `rms_norm` before it give
+    the same bits, so a LoRA adapter's terms (normalized by XLA) read what the base product
+    read: for bf16 and f32 activations (and int8 where the CPU has it, on Q4_1 weights), a
+    row alone, a decode batch, a prefill split over the pool; the residual add fused before
+    the norm, as in a layer; rows of every scale, and one of zeros (x * rsqrt(eps))."""
+    rng = np.random.default_rng(11)
+    n = 48
+    bf16_packed = jnp.asarray(linear.pack(rng.standard_normal((k, n)).astype(np.float32)))
+    weights = [(bf16_packed, passes) for passes in (1, 2)]
+    if linear.int8_available() and k % 32 == 0:
+        weights.append((jnp.asarray(linear.pack_q4_1(q4_1_blocks(rng, n, k))), 0))
+    g = jnp.asarray(rng.standard_normal(k).astype(np.float32))
+    a = rng.standard_normal((256, k)).astype(np.float32) * rng.uniform(1e-3, 30, (256, 1))
+    b = rng.standard_normal((256, k)).astype(np.float32)
+    a[5], b[5] = 0, 0
+    for w, passes in weights:
+        fused = jax.jit(lambda a, b, w=w, passes=passes: linear.packed_linear(
+            a + b, w, None, backend, passes, g, 1e-5))
+        before = jax.jit(lambda a, b, w=w, passes=passes: linear.packed_linear(
+            rms_norm(a + b, g, 1e-5), w, None, backend, passes))
+        for m in (1, 3, 16, 256):
+            np.testing.assert_array_equal(np.asarray(fused(a[:m], b[:m])),
+                                          np.asarray(before(a[:m], b[:m])),
+                                          err_msg=f"passes {passes}, {m} rows")
+    with pytest.raises(ValueError, match="norm's weight"):
+        linear.packed_linear(jnp.asarray(a[:1]), bf16_packed, backend=backend, norm=g[:-1])
 
 
 @pytest.mark.parametrize("backend", KERNELS)

@@ -9,7 +9,7 @@ import jax
 import numpy as np
 import pytest
 
-from jaxserve.models.llama import rms_norm, row_sum
+from jaxserve.models.layers import rms_norm, row_sum
 
 
 @pytest.mark.parametrize("width", [576, 64, 100, 1])

@@ -33,6 +33,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
@@ -122,22 +123,102 @@ AMX void ConfigureTiles() {
   _tile_loadconfig(&config);
 }
 
-// x [m, k] (rows `stride` floats apart; row r is x's row rows[r] where `rows` is given)
-// into bf16 hi and (unless `lo` is null) lo = bf16(x - hi), rows of `depth` (k rounded up
-// to 32) whose padding, like the rows past m, the caller has zeroed; `tiled` lays them out
-// as AMX's A tiles ([m/16, depth/32, 16, 32]: a tile loads 1 KiB in a row), else
-// row-major [m, depth].
+// XLA:CPU's rsqrt of v, bit for bit: the hardware estimate (rsqrtss) refined by two
+// Newton steps whose multiply-adds are fused, for a positive normal v (or a NaN); the bare
+// estimate otherwise (its emitter's choice, read from the assembly it writes).
+inline float XlaRsqrt(float v) {
+  const float estimate = _mm_cvtss_f32(_mm_rsqrt_ss(_mm_set_ss(v)));
+  if (!std::isnan(v) && !(std::isnormal(v) && v > 0)) return estimate;
+  float y = estimate;
+  for (int step = 0; step < 2; ++step) y = std::fma(y * -0.5f, std::fma(v * y, y, -1.0f), y);
+  return y;
+}
+
+// The lanes of inputs [c, c + 16) that are below k.
+inline __mmask16 Live(int64_t c, int64_t k) {
+  return c >= k ? 0 : k - c >= kCols ? 0xffff : (1u << (k - c)) - 1;
+}
+
+// An RMSNorm (models/layers.py's `rms_norm`) that a projection applies to its input rows.
+// Here it gives a row the bits XLA gives it, so a projection may take its norm here or
+// before: the kernel's own (in XLA the norm was a fusion whose sum ran a scalar add at a
+// time) and a LoRA adapter's terms (which read the normalized rows) agree.
+struct RowNorm {
+  const float* weight;  // [k]
+  float eps;
+  int64_t k;
+
+  // 1 / sqrt(mean(row²) + eps) as XLA computes it: the squares summed by halving the row,
+  // zero-padded to a power of two (`row_sum`'s order; a zero added leaves a sum's bits as
+  // they are), its first halving a multiply-add (XLA contracts the lower half's squares
+  // into their add to the upper half's rounded ones); the mean times k's f32 reciprocal
+  // (XLA's form of a division by a constant), eps added in the same multiply-add; then
+  // XLA's rsqrt. Rounding intrinsics keep the compiler from contracting anything else.
+  AVX512_BF16 float Factor(const float* row) const {
+    constexpr int kNear = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+    int64_t width = 1;
+    while (width < k) width *= 2;
+    thread_local AlignedVector<float> sums;
+    float* s = Grown(sums, std::max<int64_t>(width, kCols), false);
+    int64_t half = width / 2;
+    for (int64_t c = 0; c < std::max<int64_t>(half, 1); c += kCols) {
+      const __m512 lower = _mm512_maskz_loadu_ps(Live(c, k), row + c);
+      const __m512 upper = _mm512_maskz_loadu_ps(half ? Live(c + half, k) : 0, row + c + half);
+      _mm512_store_ps(s + c, _mm512_fmadd_round_ps(lower, lower,
+                                                   _mm512_mul_round_ps(upper, upper, kNear), kNear));
+    }
+    for (half /= 2; half >= kCols; half /= 2)
+      for (int64_t c = 0; c < half; c += kCols)
+        _mm512_store_ps(s + c, _mm512_add_round_ps(_mm512_load_ps(s + c),
+                                                   _mm512_load_ps(s + half + c), kNear));
+    for (; half >= 1; half /= 2)
+      for (int64_t c = 0; c < half; ++c) s[c] += s[half + c];
+    // (one input: XLA drops the multiply by 1/1 and fuses the square into the add)
+    return XlaRsqrt(k == 1 ? std::fma(row[0], row[0], eps)
+                           : std::fma(s[0], 1.0f / static_cast<float>(k), eps));
+  }
+
+  // Inputs [c, c + 16) of a row whose Factor is `factor`, normalized: (x * factor) * weight.
+  AVX512_BF16 __m512 Apply(__m512 x, float factor, int64_t c, __mmask16 live) const {
+    constexpr int kNear = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+    return _mm512_mul_round_ps(_mm512_mul_round_ps(x, _mm512_set1_ps(factor), kNear),
+                               _mm512_maskz_loadu_ps(live, weight + c), kNear);
+  }
+};
+
+// x's rows [m, k], normalized by `norm`, into `out` (for the int8 path, which quantizes
+// whole rows; the bf16 paths normalize as they Split).
+AVX512_BF16 void Normalize(const float* x, int64_t m, const RowNorm& norm, float* out) {
+  const int64_t k = norm.k;
+  for (int64_t r = 0; r < m; ++r) {
+    const float factor = norm.Factor(x + r * k);
+    for (int64_t c = 0; c < k; c += kCols) {
+      const __mmask16 live = Live(c, k);
+      _mm512_mask_storeu_ps(out + r * k + c, live,
+                            norm.Apply(_mm512_maskz_loadu_ps(live, x + r * k + c), factor, c, live));
+    }
+  }
+}
+
+// x [m, k] (rows `stride` floats apart; row r is x's row rows[r] where `rows` is given),
+// normalized by `norm` where given, into bf16 hi and (unless `lo` is null) lo = bf16(x -
+// hi), rows of `depth` (k rounded up to 32) whose padding, like the rows past m, the
+// caller has zeroed; `tiled` lays them out as AMX's A tiles ([m/16, depth/32, 16, 32]: a
+// tile loads 1 KiB in a row), else row-major [m, depth].
 AVX512_BF16 void Split(const float* x, int64_t m, int64_t k, int64_t stride,
                        const int64_t* rows, int64_t depth, bool tiled, uint16_t* hi,
-                       uint16_t* lo) {
+                       uint16_t* lo, const RowNorm* norm = nullptr) {
   const int64_t k_blocks = depth / kDepth;
-  for (int64_t r = 0; r < m; ++r)
+  for (int64_t r = 0; r < m; ++r) {
+    const float* row = x + (rows ? rows[r] : r) * stride;
+    const float factor = norm ? norm->Factor(row) : 1.0f;
     for (int64_t c = 0; c < k; c += 16) {
       const int64_t at = tiled ? ((r / kRows * k_blocks + c / kDepth) * kRows + r % kRows) *
                                          kDepth + c % kDepth
                                : r * depth + c;
-      const __mmask16 live = k - c >= 16 ? 0xffff : (1u << (k - c)) - 1;
-      const __m512 v = _mm512_maskz_loadu_ps(live, x + (rows ? rows[r] : r) * stride + c);
+      const __mmask16 live = Live(c, k);
+      __m512 v = _mm512_maskz_loadu_ps(live, row + c);
+      if (norm) v = norm->Apply(v, factor, c, live);
       const __m256bh h = _mm512_cvtneps_pbh(v);
       const __m512 back = _mm512_castsi512_ps(
           _mm512_slli_epi32(_mm512_cvtepu16_epi32(reinterpret_cast<__m256i>(h)), 16));
@@ -146,6 +227,7 @@ AVX512_BF16 void Split(const float* x, int64_t m, int64_t k, int64_t stride,
       const __m256bh l = _mm512_cvtneps_pbh(_mm512_sub_ps(v, back));
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(lo + at), reinterpret_cast<__m256i>(l));
     }
+  }
 }
 
 struct Problem {
@@ -644,7 +726,8 @@ enum class Isa { kAmx, kAvx512Bf16 };
 
 template <Isa isa, ffi::DataType kWeight>
 ffi::Error Linear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<kWeight> w,
-                  ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> y, int32_t passes) {
+                  ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::F32> norm,
+                  ffi::ResultBuffer<ffi::F32> y, int32_t passes, float eps) {
   constexpr bool kQ41 = kWeight == ffi::U8;  // Q4_1 tiles, else bf16 ones
   const auto xd = x.dimensions(), wd = w.dimensions();
   if (xd.size() != 2 || wd.size() != 5 ||
@@ -661,8 +744,12 @@ ffi::Error Linear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<kWe
     return ffi::Error::InvalidArgument("packed linear: passes must be 1 or 2 (or 0, Q4_1 only)");
   if (isa == Isa::kAmx && !RequestAmx())
     return ffi::Error::Internal("amx linear: the kernel refused AMX's tile state");
+  if (norm.element_count() != 0 && norm.element_count() != static_cast<size_t>(k))
+    return ffi::Error::InvalidArgument("packed linear: the norm's weight must have x's inputs");
   if (m == 0) return ffi::Error::Success();
   const int64_t m_blocks = (m + kRows - 1) / kRows, depth = k_blocks * kDepth;
+  const RowNorm row_norm{norm.typed_data(), eps, k};
+  const RowNorm* normed = norm.element_count() ? &row_norm : nullptr;
   // x as the kernels take it: int8 blocks (passes 0, Q4_1 only), or bf16 (hi, and lo) in
   // this thread's buffers (the pool's tasks read them before this call returns)
   thread_local AlignedVector<uint16_t> hi, lo;
@@ -679,7 +766,13 @@ ffi::Error Linear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<kWe
       d8.assign(m_pad * k_blocks, 0.0f);
       d8b.assign(m_pad * k_blocks, 0.0f);
       s8.assign(m_pad * k_blocks, 0.0f);
-      QuantizeRows(x.typed_data(), m, k, k_blocks, q8.data(), d8.data(), q8b.data(), d8b.data(),
+      const float* xs = x.typed_data();
+      thread_local AlignedVector<float> normalized;
+      if (normed) {
+        Normalize(xs, m, *normed, Grown(normalized, m * k, false));
+        xs = normalized.data();
+      }
+      QuantizeRows(xs, m, k, k_blocks, q8.data(), d8.data(), q8b.data(), d8b.data(),
                    s8.data());
       int8 = {q8.data(), d8.data(), q8b.data(), d8b.data(), s8.data(), k_blocks};
     }
@@ -688,7 +781,19 @@ ffi::Error Linear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<kWe
     const bool padded = m % kRows != 0 || k % kDepth != 0;  // else Split writes it all
     x_hi = Grown(hi, size, padded);
     if (passes == 2) x_lo = Grown(lo, size, padded);
-    Split(x.typed_data(), m, k, k, nullptr, depth, isa == Isa::kAmx, x_hi, x_lo);
+    // a row block an item, over the pool (a 256-token prefill's Splits, on one thread,
+    // were ~6 % of its step while the other core waited)
+    const float* x0 = x.typed_data();
+    const bool tiled = isa == Isa::kAmx;
+    jaxserve::RunOnPool(pool, m_blocks, [=](std::atomic<int64_t>& next, int64_t total) {
+      int64_t finished = 0;
+      for (int64_t b = next.fetch_add(1); b < total; b = next.fetch_add(1), ++finished) {
+        const int64_t r0 = b * kRows;
+        Split(x0 + r0 * k, std::min(kRows, m - r0), k, k, nullptr, depth, tiled,
+              x_hi + r0 * depth, x_lo ? x_lo + r0 * depth : nullptr, normed);
+      }
+      return finished;
+    });
   }
   const uint16_t* w16 = nullptr;  // a bf16 weight's layer, or a Q4_1 one's
   const uint8_t* w8 = nullptr;
@@ -895,8 +1000,10 @@ extern "C" void JaxserveSetPrefetchJob(void* job) {
       .Arg<ffi::Buffer<ffi::F32>>() /* x */        \
       .Arg<ffi::Buffer<weight>>() /* w, packed */  \
       .Arg<ffi::Buffer<ffi::S32>>() /* layer */    \
+      .Arg<ffi::Buffer<ffi::F32>>() /* RMSNorm's weight [k], or [0]: x as it is */ \
       .Ret<ffi::Buffer<ffi::F32>>() /* y */        \
-      .Attr<int32_t>("passes") /* 1: x in bf16; 2: hi + lo; 0: int8 (Q4_1) */
+      .Attr<int32_t>("passes") /* 1: x in bf16; 2: hi + lo; 0: int8 (Q4_1) */ \
+      .Attr<float>("eps") /* RMSNorm's epsilon */
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveAmxLinear, (Linear<Isa::kAmx, ffi::U16>),
                               JAXSERVE_LINEAR_BINDING(ffi::U16));

@@ -237,11 +237,14 @@ def q8_reference(x: np.ndarray, packed: np.ndarray) -> np.ndarray:
 
 
 def packed_linear(x: jax.Array, packed: jax.Array, layer: jax.Array | int | None = None,
-                  backend: str = "amx", passes: int = 2) -> jax.Array:
+                  backend: str = "amx", passes: int = 2, norm: jax.Array | None = None,
+                  eps: float = 0.0) -> jax.Array:
     """x [..., in] (f32) @ the packed weight (one [n/16, k/32, 16, 32], or Q4_1's [n/16,
     k/32, 20, 16], or a stack of them with the `layer` to use) → f32 [..., out], on
     `backend`'s kernel (a key of KERNELS), with x rounded to bf16 (`passes` 1), not (2),
-    or, for a Q4_1 weight on AVX512-VNNI, quantized to int8 per block of 32 (0)."""
+    or, for a Q4_1 weight on AVX512-VNNI, quantized to int8 per block of 32 (0). With
+    `norm` (a weight [in]), x's rows are RMS-normalized first, in the kernel, with the
+    bits models/layers.py's `rms_norm` gives them under XLA."""
     if x.dtype != jnp.float32:
         raise ValueError(f"the {backend} kernel takes f32 activations, got {x.dtype}")
     q4_1 = packed.dtype == jnp.uint8  # pack_q4_1's tiles, else pack's
@@ -265,11 +268,15 @@ def packed_linear(x: jax.Array, packed: jax.Array, layer: jax.Array | int | None
         raise RuntimeError(f"int8 activations need {', '.join(INT8_FLAGS)}, which this CPU lacks")
     if not available(backend):
         raise RuntimeError(f"the {backend} bf16 kernel is unavailable here (see the log)")
+    if norm is not None and norm.shape != (k,):
+        raise ValueError(f"the norm's weight is {list(norm.shape)}; x has {k} inputs")
+    norm = jnp.zeros((0,), jnp.float32) if norm is None else norm.astype(jnp.float32)
     n = packed.shape[1] * 16
     flat = x.reshape(-1, k)
     call = jax.ffi.ffi_call(Q4_1_KERNELS[backend][0] if q4_1 else KERNELS[backend][0],
                             jax.ShapeDtypeStruct((flat.shape[0], n), jnp.float32))
-    y = call(flat, packed, jnp.asarray(layer, jnp.int32), passes=np.int32(passes))
+    y = call(flat, packed, jnp.asarray(layer, jnp.int32), norm, passes=np.int32(passes),
+             eps=np.float32(eps))
     return y.reshape(*x.shape[:-1], n)
 
 

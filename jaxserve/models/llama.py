@@ -19,7 +19,15 @@ from jaxserve.device.attention import AttentionMetadata, paged_attention
 from jaxserve.device.kv_cache import KVCache, write_kv
 from jaxserve.device.sharding import on_any_shard
 from jaxserve.models.interface import ModelSpec, WeightRule, register_model
-from jaxserve.models.layers import LoraGroup, linear, linear_group, lora_terms, scan_layers
+from jaxserve.models.layers import (
+    LoraGroup,
+    Norm,
+    linear,
+    linear_group,
+    lora_terms,
+    rms_norm,
+    scan_layers,
+)
 
 
 def rope_inv_freq(config: ModelConfig) -> np.ndarray:
@@ -54,29 +62,6 @@ def apply_rope(
     sin = jnp.sin(angles)[:, None, :]
     x1, x2 = jnp.split(x, 2, axis=-1)
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
-
-
-def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
-    x32 = x.astype(jnp.float32)
-    mean = row_sum(x32 * x32) / x32.shape[-1]
-    normed = x32 * jax.lax.rsqrt(mean + eps)
-    return (normed * weight).astype(x.dtype)
-
-
-def row_sum(x: jax.Array) -> jax.Array:
-    """x's sum over its last axis (kept, size 1), added in one order whatever the rows.
-
-    XLA:CPU reduces a row in an order that depends on how many rows there are (a norm's
-    mean of 1 or 4 rows differed in its last bit from that of 8 or 16 on an Intel Xeon),
-    so a decode row's outputs depended on its step's bucket. Halving the row (zero-padded
-    to a power of two) and adding the halves elementwise fixes the order."""
-    n = x.shape[-1]
-    width = 1 << max(n - 1, 0).bit_length()
-    x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, width - n)])
-    while width > 1:
-        width //= 2
-        x = x[..., :width] + x[..., width:]
-    return x
 
 
 def _param(rngs: nnx.Rngs, shape: tuple[int, ...], dtype: jnp.dtype) -> nnx.Param:
@@ -129,17 +114,18 @@ class DecoderLayers(nnx.Module):
         def layer(carry, w):
             x, cache, i = carry
 
-            def project(h, group):  # projections of one input, adapter terms added if served
+            def project(h, group, norm=None):  # projections of one input (normalized by
+                if adapters is None:  # `norm`), adapter terms added if served
+                    return linear_group(h, w, group, GROUPS[group], norm)
+                if norm is not None:  # the adapters' terms read the normalized rows too
+                    h = rms_norm(h, norm.weight, norm.eps)
                 ys = linear_group(h, w, group, GROUPS[group])
-                if adapters is None:
-                    return ys
                 slots = w["adapters"]
                 lora = LoraGroup(slots["a"][group], tuple(slots["b"][n] for n in GROUPS[group]),
                                  mix, active, adapters.token_slots, adapters.slots.rank)
                 return [y + term for y, term in zip(ys, lora_terms(h, lora))]
 
-            h = rms_norm(x, w["input_norm"], cfg.rms_norm_eps)
-            q, k, v = project(h, "qkv")
+            q, k, v = project(x, "qkv", Norm(w["input_norm"], cfg.rms_norm_eps))
             if cfg.attention_bias:
                 q, k, v = q + w["q_bias"], k + w["k_bias"], v + w["v_bias"]
             q = apply_rope(q.reshape(num_tokens, cfg.num_heads, cfg.head_dim), positions, inv_freq)
@@ -151,8 +137,7 @@ class DecoderLayers(nnx.Module):
             attn = paged_attention(q, cache, i, positions, metadata, scale)
             (o,) = project(attn.reshape(num_tokens, -1), "o")
             x = x + o
-            h = rms_norm(x, w["post_norm"], cfg.rms_norm_eps)
-            gate, up = project(h, "gate_up")
+            gate, up = project(x, "gate_up", Norm(w["post_norm"], cfg.rms_norm_eps))
             (down,) = project(jax.nn.silu(gate) * up, "down")
             x = x + down
             return (x, cache, i + 1), None
@@ -182,10 +167,11 @@ class LlamaForCausalLM(nnx.Module):
     ) -> tuple[jax.Array, KVCache]:  # f32[num_logits, vocab], cache
         x = self.embed[...][token_ids]
         x, kv_cache = self.layers(x, positions, kv_cache, metadata, adapters)
-        x = rms_norm(x[metadata.logits_indices], self.norm[...], self.config.rms_norm_eps)
         # tied: the embedding's transpose, unless a packed copy was added (weights.py)
         head = self.lm_head.get_value() if hasattr(self, "lm_head") else self.embed[...].T
-        return linear(x, head).astype(jnp.float32), kv_cache
+        logits = linear(x[metadata.logits_indices], head,
+                        Norm(self.norm[...], self.config.rms_norm_eps))
+        return logits.astype(jnp.float32), kv_cache
 
 
 def llama_weight_map(config: ModelConfig) -> dict[str, WeightRule]:
