@@ -238,13 +238,15 @@ def q8_reference(x: np.ndarray, packed: np.ndarray) -> np.ndarray:
 
 def packed_linear(x: jax.Array, packed: jax.Array, layer: jax.Array | int | None = None,
                   backend: str = "amx", passes: int = 2, norm: jax.Array | None = None,
-                  eps: float = 0.0) -> jax.Array:
+                  eps: float = 0.0, gated: bool = False) -> jax.Array:
     """x [..., in] (f32) @ the packed weight (one [n/16, k/32, 16, 32], or Q4_1's [n/16,
     k/32, 20, 16], or a stack of them with the `layer` to use) → f32 [..., out], on
     `backend`'s kernel (a key of KERNELS), with x rounded to bf16 (`passes` 1), not (2),
     or, for a Q4_1 weight on AVX512-VNNI, quantized to int8 per block of 32 (0). With
     `norm` (a weight [in]), x's rows are RMS-normalized first, in the kernel, with the
-    bits models/layers.py's `rms_norm` gives them under XLA."""
+    bits models/layers.py's `rms_norm` gives them under XLA; `gated`, x is [..., 2 * in]
+    (gate's columns, then up's) and the kernel multiplies silu(gate) * up, with the bits
+    of layers.py's `swiglu` under XLA."""
     if x.dtype != jnp.float32:
         raise ValueError(f"the {backend} kernel takes f32 activations, got {x.dtype}")
     q4_1 = packed.dtype == jnp.uint8  # pack_q4_1's tiles, else pack's
@@ -256,7 +258,9 @@ def packed_linear(x: jax.Array, packed: jax.Array, layer: jax.Array | int | None
         packed, layer = packed[None], 0
     elif layer is None:
         raise ValueError("a packed layer stack needs the layer to read")
-    k = x.shape[-1]
+    if gated and (norm is not None or x.shape[-1] % 2):
+        raise ValueError(f"a gated x is [..., 2 * in] (got {list(x.shape)}), without a norm")
+    k = x.shape[-1] // 2 if gated else x.shape[-1]
     if not (packed.shape[2] - 1) * DEPTH < k <= packed.shape[2] * DEPTH:
         raise ValueError(f"x has {k} inputs; the weight takes {packed.shape[2] * DEPTH} (padded)")
     if passes not in (0, 1, 2):
@@ -272,11 +276,11 @@ def packed_linear(x: jax.Array, packed: jax.Array, layer: jax.Array | int | None
         raise ValueError(f"the norm's weight is {list(norm.shape)}; x has {k} inputs")
     norm = jnp.zeros((0,), jnp.float32) if norm is None else norm.astype(jnp.float32)
     n = packed.shape[1] * 16
-    flat = x.reshape(-1, k)
+    flat = x.reshape(-1, x.shape[-1])
     call = jax.ffi.ffi_call(Q4_1_KERNELS[backend][0] if q4_1 else KERNELS[backend][0],
                             jax.ShapeDtypeStruct((flat.shape[0], n), jnp.float32))
     y = call(flat, packed, jnp.asarray(layer, jnp.int32), norm, passes=np.int32(passes),
-             eps=np.float32(eps))
+             eps=np.float32(eps), gated=np.int32(gated))
     return y.reshape(*x.shape[:-1], n)
 
 

@@ -85,17 +85,31 @@ def row_sum(x: jax.Array) -> jax.Array:
     return x
 
 
-def linear(x: jax.Array, w: jax.Array | QuantizedWeight | PackedWeight,
-           norm: Norm | None = None) -> jax.Array:
-    """x @ w for x [..., in] and a weight [in, out] in any storage, in x's dtype; x
-    RMS-normalized first by `norm` if given. A packed weight's kernel normalizes the rows
-    itself, with the bits `rms_norm` gives them (in XLA the norm's sum ran a scalar add at
-    a time: ~5 % of a 256-token prefill on an Intel Xeon)."""
-    if isinstance(w, PackedWeight):
-        return packed_linear(x.astype(jnp.float32), w.values, w.layer, w.backend, w.passes,
-                             *((norm.weight, norm.eps) if norm else ())).astype(x.dtype)
+def swiglu(x: jax.Array) -> jax.Array:
+    """silu(gate) * up for x [..., 2f]: gate's f columns, then up's."""
+    gate, up = jnp.split(x, 2, axis=-1)
+    return jax.nn.silu(gate) * up
+
+
+def prologue(x: jax.Array, norm: Norm | None = None, gated: bool = False) -> jax.Array:
+    """What a projection's input goes through first (`linear`), in XLA."""
     if norm is not None:
         x = rms_norm(x, norm.weight, norm.eps)
+    return swiglu(x) if gated else x
+
+
+def linear(x: jax.Array, w: jax.Array | QuantizedWeight | PackedWeight,
+           norm: Norm | None = None, gated: bool = False) -> jax.Array:
+    """x @ w for x [..., in] and a weight [in, out] in any storage, in x's dtype; x
+    RMS-normalized first by `norm` if given, or, `gated`, x [..., 2 * in] taken as
+    `swiglu(x)`. A packed weight's kernel does either itself, with the bits XLA gives
+    them (in XLA they were fusions of ~5 % and ~6 % of a 256-token prefill on an Intel
+    Xeon: the norm's sum ran a scalar add at a time)."""
+    if isinstance(w, PackedWeight):
+        return packed_linear(x.astype(jnp.float32), w.values, w.layer, w.backend, w.passes,
+                             *((norm.weight, norm.eps) if norm else ()), gated=gated
+                             ).astype(x.dtype)
+    x = prologue(x, norm, gated)
     if isinstance(w, QuantizedWeight):
         return (x @ w.values.astype(x.dtype)) * w.scale.astype(x.dtype)
     return x @ w.astype(x.dtype)
@@ -118,16 +132,18 @@ def fuse(weights: list[PackedWeight]) -> PackedWeight | None:
 
 
 def linear_group(x: jax.Array, weights: dict, group: str, members: tuple[str, ...],
-                 norm: Norm | None = None) -> list[jax.Array]:
-    """x (normalized by `norm` first if given) @ each member projection of `weights`
-    (which all read x): by one call where the group's projections were fused
+                 norm: Norm | None = None, gated: bool = False) -> list[jax.Array]:
+    """x (through `norm` or `gated` first, as `linear` takes them) @ each member projection
+    of `weights` (which all read x): by one call where the group's projections were fused
     (weights[group], `fuse`), else one each."""
     fused = weights.get(group)
-    if fused is None:
-        if norm is not None:  # once, not in each member's call
-            x = rms_norm(x, norm.weight, norm.eps)
-        return [linear(x, weights[name]) for name in members]
-    return jnp.split(linear(x, fused, norm), np.cumsum(fused.splits)[:-1].tolist(), axis=-1)
+    if fused is not None:
+        y = linear(x, fused, norm, gated)
+        return jnp.split(y, np.cumsum(fused.splits)[:-1].tolist(), axis=-1)
+    if len(members) == 1:
+        return [linear(x, weights[members[0]], norm, gated)]
+    x = prologue(x, norm, gated)  # once, not in each member's call
+    return [linear(x, weights[name]) for name in members]
 
 
 @jax.tree_util.register_dataclass

@@ -25,7 +25,7 @@ from jaxserve.models.layers import (
     linear,
     linear_group,
     lora_terms,
-    rms_norm,
+    prologue,
     scan_layers,
 )
 
@@ -114,11 +114,10 @@ class DecoderLayers(nnx.Module):
         def layer(carry, w):
             x, cache, i = carry
 
-            def project(h, group, norm=None):  # projections of one input (normalized by
-                if adapters is None:  # `norm`), adapter terms added if served
-                    return linear_group(h, w, group, GROUPS[group], norm)
-                if norm is not None:  # the adapters' terms read the normalized rows too
-                    h = rms_norm(h, norm.weight, norm.eps)
+            def project(h, group, norm=None, gated=False):  # projections of one input (its
+                if adapters is None:  # prologue as `linear`'s), adapter terms added if served
+                    return linear_group(h, w, group, GROUPS[group], norm, gated)
+                h = prologue(h, norm, gated)  # which the adapters' terms read too
                 ys = linear_group(h, w, group, GROUPS[group])
                 slots = w["adapters"]
                 lora = LoraGroup(slots["a"][group], tuple(slots["b"][n] for n in GROUPS[group]),
@@ -138,7 +137,8 @@ class DecoderLayers(nnx.Module):
             (o,) = project(attn.reshape(num_tokens, -1), "o")
             x = x + o
             gate, up = project(x, "gate_up", Norm(w["post_norm"], cfg.rms_norm_eps))
-            (down,) = project(jax.nn.silu(gate) * up, "down")
+            # silu(gate) * up in the down projection's kernel where it has one (`linear`)
+            (down,) = project(jnp.concatenate([gate, up], axis=-1), "down", gated=True)
             x = x + down
             return (x, cache, i + 1), None
 
