@@ -177,6 +177,31 @@ def test_a_gated_input_gives_the_bits_of_swiglu_under_xla(backend, k):
 
 
 @pytest.mark.parametrize("backend", KERNELS)
+def test_a_residual_is_added_to_the_product_as_xla_adds_it(backend):
+    """`residual + x @ w` in the kernel gives XLA's add's bits, for every path's work items
+    (AMX's and AVX512-BF16's, Q4_1's, int8's), a row, a decode batch and a prefill, at a
+    layer of a stack; a residual of another shape is refused."""
+    rng = np.random.default_rng(13)
+    k, n = 1536, 592  # 37 column blocks: a last item of fewer blocks on both paths
+    weights = [(jnp.asarray(linear.pack(rng.standard_normal((2, k, n)).astype(np.float32))), 1),
+               (jnp.asarray(linear.pack_q4_1(q4_1_blocks(rng, 2, n, k))), 2)]
+    if linear.int8_available():
+        weights.append((weights[1][0], 0))
+    x = jnp.asarray(rng.standard_normal((256, k)).astype(np.float32))
+    residual = jnp.asarray(rng.standard_normal((256, n)).astype(np.float32) * 5)
+    for w, passes in weights:
+        for m in (1, 3, 16, 256):
+            got = jax.jit(lambda x, r, w=w, passes=passes: linear.packed_linear(
+                x, w, 1, backend, passes, residual=r))(x[:m], residual[:m])
+            want = jax.jit(lambda x, r, w=w, passes=passes: r + linear.packed_linear(
+                x, w, 1, backend, passes))(x[:m], residual[:m])
+            np.testing.assert_array_equal(np.asarray(got), np.asarray(want),
+                                          err_msg=f"passes {passes}, {m} rows")
+    with pytest.raises(ValueError, match="residual"):
+        linear.packed_linear(x[:2], weights[0][0], 1, backend, residual=residual[:3])
+
+
+@pytest.mark.parametrize("backend", KERNELS)
 def test_passes_other_than_one_or_two_are_refused(backend):
     packed = jnp.asarray(linear.pack(np.ones((32, 16), np.float32)))
     with pytest.raises(ValueError, match="passes"):

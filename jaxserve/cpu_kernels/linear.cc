@@ -752,17 +752,29 @@ AVX512_VNNI void Int8Columns(const Problem& p, const Int8Rows& x, const uint8_t*
   }
 }
 
+// y's columns [16 * b0, 16 * b1) of every row plus `residual`'s (a residual stream, [m, n]),
+// once a work item has written them (still in cache): the model's x + o, and x + down,
+// with the bits XLA's add gives (in XLA they were separate passes over the stream).
+AVX512_BF16 void AddResidual(const float* residual, float* y, int64_t m, int64_t n, int64_t b0,
+                             int64_t b1) {
+  for (int64_t r = 0; r < m; ++r)
+    for (int64_t c = b0 * kCols; c < b1 * kCols; c += kCols)
+      _mm512_storeu_ps(y + r * n + c, _mm512_add_ps(_mm512_loadu_ps(y + r * n + c),
+                                                    _mm512_loadu_ps(residual + r * n + c)));
+}
+
 // Claims work items (runs of column blocks) from `next` until none is left (RunOnPool);
 // returns how many it ran. A Q4_1 weight (`w8` not null) is widened an item at a time
 // (Widened). A thread's tiles are configured at its first item only.
-AMX int64_t DrainColumns(const Problem& p, const uint8_t* w8, std::atomic<int64_t>& next,
-                         int64_t items) {
+AMX int64_t DrainColumns(const Problem& p, const uint8_t* w8, const float* residual,
+                         std::atomic<int64_t>& next, int64_t items) {
   int64_t finished = 0;
   for (int64_t i = next.fetch_add(1); i < items; i = next.fetch_add(1)) {
     if (!finished) ConfigureTiles();
     const int64_t b0 = i * kItemBlocks, b1 = std::min(p.n_blocks, b0 + kItemBlocks);
     if (w8) Columns(Widened(p, w8, b0, b1), 0, b1 - b0);
     else Columns(p, b0, b1);
+    if (residual) AddResidual(residual, p.y, p.m, p.n, b0, b1);
     ++finished;
   }
   if (finished) _tile_release();
@@ -774,7 +786,8 @@ enum class Isa { kAmx, kAvx512Bf16 };
 template <Isa isa, ffi::DataType kWeight>
 ffi::Error Linear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<kWeight> w,
                   ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::F32> norm,
-                  ffi::ResultBuffer<ffi::F32> y, int32_t passes, float eps, int32_t gated) {
+                  ffi::Buffer<ffi::F32> residual, ffi::ResultBuffer<ffi::F32> y,
+                  int32_t passes, float eps, int32_t gated) {
   constexpr bool kQ41 = kWeight == ffi::U8;  // Q4_1 tiles, else bf16 ones
   const auto xd = x.dimensions(), wd = w.dimensions();
   if (xd.size() != 2 || wd.size() != 5 ||
@@ -797,6 +810,9 @@ ffi::Error Linear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<kWe
     return ffi::Error::Internal("amx linear: the kernel refused AMX's tile state");
   if (norm.element_count() != 0 && norm.element_count() != static_cast<size_t>(k))
     return ffi::Error::InvalidArgument("packed linear: the norm's weight must have x's inputs");
+  if (residual.element_count() != 0 &&
+      residual.element_count() != static_cast<size_t>(m * n_blocks * kCols))
+    return ffi::Error::InvalidArgument("packed linear: the residual must be y's shape, [m, n]");
   if (m == 0) return ffi::Error::Success();
   const int64_t m_blocks = (m + kRows - 1) / kRows, depth = k_blocks * kDepth;
   const RowNorm row_norm{norm.typed_data(), eps, k};
@@ -852,14 +868,16 @@ ffi::Error Linear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<kWe
   else w16 = w.typed_data() + l * n_blocks * k_blocks * kTile;
   const Problem p{x_hi, x_lo, w16, y->typed_data(), m, n_blocks * kCols, m_blocks,
                   n_blocks, k_blocks, k_blocks};
+  const float* res = residual.element_count() ? residual.typed_data() : nullptr;
   if (isa == Isa::kAmx && !int8.q) {  // int8 activations take AVX512-VNNI's loop below
     const int64_t items = (n_blocks + kItemBlocks - 1) / kItemBlocks;
-    jaxserve::RunOnPool(pool, items, [p, w8](std::atomic<int64_t>& next, int64_t total) {
-      return DrainColumns(p, w8, next, total);
+    jaxserve::RunOnPool(pool, items, [p, w8, res](std::atomic<int64_t>& next, int64_t total) {
+      return DrainColumns(p, w8, res, next, total);
     });
   } else {
     const int64_t items = (n_blocks + kVecBlocks - 1) / kVecBlocks;
-    jaxserve::RunOnPool(pool, items, [p, w8, int8](std::atomic<int64_t>& next, int64_t total) {
+    jaxserve::RunOnPool(pool, items, [p, w8, int8, res](std::atomic<int64_t>& next,
+                                                        int64_t total) {
       int64_t finished = 0;
       for (int64_t i = next.fetch_add(1); i < total; i = next.fetch_add(1), ++finished) {
         const int64_t b0 = i * kVecBlocks, b1 = std::min(p.n_blocks, b0 + kVecBlocks);
@@ -869,6 +887,7 @@ ffi::Error Linear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<kWe
         } else {
           Bf16Columns(p, b0, b1);
         }
+        if (res) AddResidual(res, p.y, p.m, p.n, b0, b1);
       }
       return finished;
     });
@@ -1052,6 +1071,7 @@ extern "C" void JaxserveSetPrefetchJob(void* job) {
       .Arg<ffi::Buffer<weight>>() /* w, packed */  \
       .Arg<ffi::Buffer<ffi::S32>>() /* layer */    \
       .Arg<ffi::Buffer<ffi::F32>>() /* RMSNorm's weight [k], or [0]: x as it is */ \
+      .Arg<ffi::Buffer<ffi::F32>>() /* a residual [m, n] added to y, or [0] */ \
       .Ret<ffi::Buffer<ffi::F32>>() /* y */        \
       .Attr<int32_t>("passes") /* 1: x in bf16; 2: hi + lo; 0: int8 (Q4_1) */ \
       .Attr<float>("eps") /* RMSNorm's epsilon */ \

@@ -238,7 +238,8 @@ def q8_reference(x: np.ndarray, packed: np.ndarray) -> np.ndarray:
 
 def packed_linear(x: jax.Array, packed: jax.Array, layer: jax.Array | int | None = None,
                   backend: str = "amx", passes: int = 2, norm: jax.Array | None = None,
-                  eps: float = 0.0, gated: bool = False) -> jax.Array:
+                  eps: float = 0.0, gated: bool = False, residual: jax.Array | None = None
+                  ) -> jax.Array:
     """x [..., in] (f32) @ the packed weight (one [n/16, k/32, 16, 32], or Q4_1's [n/16,
     k/32, 20, 16], or a stack of them with the `layer` to use) → f32 [..., out], on
     `backend`'s kernel (a key of KERNELS), with x rounded to bf16 (`passes` 1), not (2),
@@ -246,7 +247,8 @@ def packed_linear(x: jax.Array, packed: jax.Array, layer: jax.Array | int | None
     `norm` (a weight [in]), x's rows are RMS-normalized first, in the kernel, with the
     bits models/layers.py's `rms_norm` gives them under XLA; `gated`, x is [..., 2 * in]
     (gate's columns, then up's) and the kernel multiplies silu(gate) * up, with the bits
-    of layers.py's `swiglu` under XLA."""
+    of layers.py's `swiglu` under XLA. `residual` (f32 [..., out]) is added to the
+    product (`residual + x @ w`, XLA's bits)."""
     if x.dtype != jnp.float32:
         raise ValueError(f"the {backend} kernel takes f32 activations, got {x.dtype}")
     q4_1 = packed.dtype == jnp.uint8  # pack_q4_1's tiles, else pack's
@@ -276,10 +278,15 @@ def packed_linear(x: jax.Array, packed: jax.Array, layer: jax.Array | int | None
         raise ValueError(f"the norm's weight is {list(norm.shape)}; x has {k} inputs")
     norm = jnp.zeros((0,), jnp.float32) if norm is None else norm.astype(jnp.float32)
     n = packed.shape[1] * 16
+    if residual is not None and residual.shape != (*x.shape[:-1], n):
+        raise ValueError(f"the residual is {list(residual.shape)}; the product "
+                         f"{[*x.shape[:-1], n]}")
+    residual = (jnp.zeros((0,), jnp.float32) if residual is None
+                else residual.astype(jnp.float32).reshape(-1, n))
     flat = x.reshape(-1, x.shape[-1])
     call = jax.ffi.ffi_call(Q4_1_KERNELS[backend][0] if q4_1 else KERNELS[backend][0],
                             jax.ShapeDtypeStruct((flat.shape[0], n), jnp.float32))
-    y = call(flat, packed, jnp.asarray(layer, jnp.int32), norm, passes=np.int32(passes),
+    y = call(flat, packed, jnp.asarray(layer, jnp.int32), norm, residual, passes=np.int32(passes),
              eps=np.float32(eps), gated=np.int32(gated))
     return y.reshape(*x.shape[:-1], n)
 

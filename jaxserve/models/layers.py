@@ -99,17 +99,23 @@ def prologue(x: jax.Array, norm: Norm | None = None, gated: bool = False) -> jax
 
 
 def linear(x: jax.Array, w: jax.Array | QuantizedWeight | PackedWeight,
-           norm: Norm | None = None, gated: bool = False) -> jax.Array:
+           norm: Norm | None = None, gated: bool = False, residual: jax.Array | None = None
+           ) -> jax.Array:
     """x @ w for x [..., in] and a weight [in, out] in any storage, in x's dtype; x
     RMS-normalized first by `norm` if given, or, `gated`, x [..., 2 * in] taken as
-    `swiglu(x)`. A packed weight's kernel does either itself, with the bits XLA gives
-    them (in XLA they were fusions of ~5 % and ~6 % of a 256-token prefill on an Intel
-    Xeon: the norm's sum ran a scalar add at a time)."""
+    `swiglu(x)`; `residual + x @ w` where a residual is given. A packed weight's kernel
+    does these itself, with the bits XLA gives them (in XLA the norm and swiglu were
+    fusions of ~5 % and ~6 % of a 256-token prefill on an Intel Xeon: the norm's sum ran
+    a scalar add at a time)."""
     if isinstance(w, PackedWeight):
         return packed_linear(x.astype(jnp.float32), w.values, w.layer, w.backend, w.passes,
-                             *((norm.weight, norm.eps) if norm else ()), gated=gated
-                             ).astype(x.dtype)
-    x = prologue(x, norm, gated)
+                             *((norm.weight, norm.eps) if norm else ()), gated=gated,
+                             residual=residual).astype(x.dtype)
+    y = _product(prologue(x, norm, gated), w)
+    return y if residual is None else residual + y
+
+
+def _product(x: jax.Array, w: jax.Array | QuantizedWeight) -> jax.Array:
     if isinstance(w, QuantizedWeight):
         return (x @ w.values.astype(x.dtype)) * w.scale.astype(x.dtype)
     return x @ w.astype(x.dtype)
@@ -132,16 +138,19 @@ def fuse(weights: list[PackedWeight]) -> PackedWeight | None:
 
 
 def linear_group(x: jax.Array, weights: dict, group: str, members: tuple[str, ...],
-                 norm: Norm | None = None, gated: bool = False) -> list[jax.Array]:
+                 norm: Norm | None = None, gated: bool = False,
+                 residual: jax.Array | None = None) -> list[jax.Array]:
     """x (through `norm` or `gated` first, as `linear` takes them) @ each member projection
     of `weights` (which all read x): by one call where the group's projections were fused
-    (weights[group], `fuse`), else one each."""
+    (weights[group], `fuse`), else one each. A residual is added to a group of one."""
     fused = weights.get(group)
+    if residual is not None and (fused is not None or len(members) != 1):
+        raise ValueError(f"a residual is added to one projection, not to {group}'s")
     if fused is not None:
         y = linear(x, fused, norm, gated)
         return jnp.split(y, np.cumsum(fused.splits)[:-1].tolist(), axis=-1)
     if len(members) == 1:
-        return [linear(x, weights[members[0]], norm, gated)]
+        return [linear(x, weights[members[0]], norm, gated, residual)]
     x = prologue(x, norm, gated)  # once, not in each member's call
     return [linear(x, weights[name]) for name in members]
 

@@ -114,15 +114,17 @@ class DecoderLayers(nnx.Module):
         def layer(carry, w):
             x, cache, i = carry
 
-            def project(h, group, norm=None, gated=False):  # projections of one input (its
-                if adapters is None:  # prologue as `linear`'s), adapter terms added if served
-                    return linear_group(h, w, group, GROUPS[group], norm, gated)
+            def project(h, group, norm=None, gated=False, residual=None):  # projections of
+                # one input (its prologue and residual as `linear`'s), adapter terms added
+                if adapters is None:  # if served
+                    return linear_group(h, w, group, GROUPS[group], norm, gated, residual)
                 h = prologue(h, norm, gated)  # which the adapters' terms read too
                 ys = linear_group(h, w, group, GROUPS[group])
                 slots = w["adapters"]
                 lora = LoraGroup(slots["a"][group], tuple(slots["b"][n] for n in GROUPS[group]),
                                  mix, active, adapters.token_slots, adapters.slots.rank)
-                return [y + term for y, term in zip(ys, lora_terms(h, lora))]
+                ys = [y + term for y, term in zip(ys, lora_terms(h, lora))]
+                return ys if residual is None else [residual + y for y in ys]
 
             q, k, v = project(x, "qkv", Norm(w["input_norm"], cfg.rms_norm_eps))
             if cfg.attention_bias:
@@ -134,12 +136,10 @@ class DecoderLayers(nnx.Module):
             v = v.reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim)
             cache = write_kv(cache, i, metadata.slot_mapping, k, v)
             attn = paged_attention(q, cache, i, positions, metadata, scale)
-            (o,) = project(attn.reshape(num_tokens, -1), "o")
-            x = x + o
+            (x,) = project(attn.reshape(num_tokens, -1), "o", residual=x)
             gate, up = project(x, "gate_up", Norm(w["post_norm"], cfg.rms_norm_eps))
             # silu(gate) * up in the down projection's kernel where it has one (`linear`)
-            (down,) = project(jnp.concatenate([gate, up], axis=-1), "down", gated=True)
-            x = x + down
+            (x,) = project(jnp.concatenate([gate, up], axis=-1), "down", gated=True, residual=x)
             return (x, cache, i + 1), None
 
         (x, kv_cache, _), _ = scan_layers(layer, (x, kv_cache, jnp.int32(0)), weights)
