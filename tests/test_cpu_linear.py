@@ -102,6 +102,16 @@ def test_a_row_gets_the_same_bits_in_any_batch(backend, passes):
         np.testing.assert_array_equal(part, whole[:m], err_msg=f"{m} rows")
 
 
+def every_activation(rng: np.random.Generator, k: int, n: int = 48) -> list:
+    """(weight, passes) for each way a kernel takes x: bf16 and f32 activations on a bf16
+    weight [k, n], and int8 on a Q4_1 one where the CPU has it (and k is whole blocks)."""
+    bf16_packed = jnp.asarray(linear.pack(rng.standard_normal((k, n)).astype(np.float32)))
+    weights = [(bf16_packed, passes) for passes in (1, 2)]
+    if linear.int8_available() and k % 32 == 0:
+        weights.append((jnp.asarray(linear.pack_q4_1(q4_1_blocks(rng, n, k))), 0))
+    return weights
+
+
 @pytest.mark.parametrize("backend", KERNELS)
 @pytest.mark.parametrize("k", [576, 100, 64, 1])
 def test_the_kernels_norm_gives_the_bits_of_rms_norm_under_xla(backend, k):
@@ -111,11 +121,8 @@ def test_the_kernels_norm_gives_the_bits_of_rms_norm_under_xla(backend, k):
     row alone, a decode batch, a prefill split over the pool; the residual add fused before
     the norm, as in a layer; rows of every scale, and one of zeros (x * rsqrt(eps))."""
     rng = np.random.default_rng(11)
-    n = 48
-    bf16_packed = jnp.asarray(linear.pack(rng.standard_normal((k, n)).astype(np.float32)))
-    weights = [(bf16_packed, passes) for passes in (1, 2)]
-    if linear.int8_available() and k % 32 == 0:
-        weights.append((jnp.asarray(linear.pack_q4_1(q4_1_blocks(rng, n, k))), 0))
+    weights = every_activation(rng, k)
+    bf16_packed = weights[0][0]
     g = jnp.asarray(rng.standard_normal(k).astype(np.float32))
     a = rng.standard_normal((256, k)).astype(np.float32) * rng.uniform(1e-3, 30, (256, 1))
     b = rng.standard_normal((256, k)).astype(np.float32)
@@ -141,11 +148,8 @@ def test_a_gated_input_gives_the_bits_of_swiglu_under_xla(backend, k):
     from a kernel's output, as in a layer, or given, with extreme and non-finite gates;
     bf16, f32 and int8 activations; a row, a decode batch, a prefill."""
     rng = np.random.default_rng(12)
-    n = 48
-    bf16_packed = jnp.asarray(linear.pack(rng.standard_normal((k, n)).astype(np.float32)))
-    weights = [(bf16_packed, passes) for passes in (1, 2)]
-    if linear.int8_available() and k % 32 == 0:
-        weights.append((jnp.asarray(linear.pack_q4_1(q4_1_blocks(rng, n, k))), 0))
+    weights = every_activation(rng, k)
+    bf16_packed = weights[0][0]
     gate_up = (jnp.asarray(linear.pack(rng.standard_normal((64, 2 * k)).astype(np.float32)))
                if linear.fits(64, 2 * k) else None)  # a layer's gate/up kernel, where it packs
     h = jnp.asarray(rng.standard_normal((256, 64)).astype(np.float32))

@@ -26,6 +26,12 @@
 // loaded feeds two multiplies). Measured on a Sapphire Rapids (2 cores): a tdpbf16ps fed
 // from L1 takes ~6.5 ns, from L2 (a prefill's x and weights) ~15-18 ns; the rows that
 // straddled two cache lines (a std::vector's 16-byte alignment) took ~1.4x as long.
+//
+// A projection also does the model's work around it that XLA did in fusions of its own:
+// its input's RMSNorm or SwiGLU as x is split to bf16 (Prologue; Split runs over the pool)
+// and the residual add as its columns are written (AddResidual), each with the bits XLA
+// gives it, so the LoRA path, which computes them in XLA, reads and adds the same values.
+// A 256-token prefill took ~15 % less time, a 16-row decode ~4 % (Intel Xeon).
 
 #include <immintrin.h>
 #include <sys/syscall.h>
