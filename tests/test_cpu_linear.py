@@ -164,7 +164,8 @@ def test_a_gated_input_gives_the_bits_of_swiglu_under_xla(backend, k):
             return linear.packed_linear(x, w, None, backend, passes, gated=True)
 
         def before(x, w, passes):
-            return linear.packed_linear(swiglu(x), w, None, backend, passes)
+            return linear.packed_linear(swiglu(*jnp.split(x, 2, axis=-1)), w, None, backend,
+                                        passes)
 
         for m in (1, 3, 16, 256):
             pairs = [(jax.jit(gated, static_argnums=2)(given[:m], w, passes),

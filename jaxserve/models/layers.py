@@ -85,32 +85,35 @@ def row_sum(x: jax.Array) -> jax.Array:
     return x
 
 
-def swiglu(x: jax.Array) -> jax.Array:
-    """silu(gate) * up for x [..., 2f]: gate's f columns, then up's."""
-    gate, up = jnp.split(x, 2, axis=-1)
+def swiglu(gate: jax.Array, up: jax.Array) -> jax.Array:
     return jax.nn.silu(gate) * up
 
 
-def prologue(x: jax.Array, norm: Norm | None = None, gated: bool = False) -> jax.Array:
+Input = jax.Array | tuple[jax.Array, jax.Array]  # a projection's x, or (gate, up) if gated
+
+
+def prologue(x: Input, norm: Norm | None = None, gated: bool = False) -> jax.Array:
     """What a projection's input goes through first (`linear`), in XLA."""
-    if norm is not None:
-        x = rms_norm(x, norm.weight, norm.eps)
-    return swiglu(x) if gated else x
+    if gated:
+        return swiglu(*x)
+    return x if norm is None else rms_norm(x, norm.weight, norm.eps)
 
 
-def linear(x: jax.Array, w: jax.Array | QuantizedWeight | PackedWeight,
-           norm: Norm | None = None, gated: bool = False, residual: jax.Array | None = None
-           ) -> jax.Array:
+def linear(x: Input, w: jax.Array | QuantizedWeight | PackedWeight, norm: Norm | None = None,
+           gated: bool = False, residual: jax.Array | None = None) -> jax.Array:
     """x @ w for x [..., in] and a weight [in, out] in any storage, in x's dtype; x
-    RMS-normalized first by `norm` if given, or, `gated`, x [..., 2 * in] taken as
-    `swiglu(x)`; `residual + x @ w` where a residual is given. A packed weight's kernel
-    does these itself, with the bits XLA gives them (in XLA the norm and swiglu were
-    fusions of ~5 % and ~6 % of a 256-token prefill on an Intel Xeon: the norm's sum ran
-    a scalar add at a time)."""
+    RMS-normalized first by `norm` if given, or, `gated`, x the pair (gate, up) taken as
+    `swiglu(gate, up)`; `residual + x @ w` where a residual is given. A packed weight's
+    kernel does these itself, with the bits XLA gives them (in XLA the norm and swiglu
+    were fusions of ~5 % and ~6 % of a 256-token prefill on an Intel Xeon: the norm's sum
+    ran a scalar add at a time); gate and up reach it side by side, which on one CPU
+    device XLA lays out without a copy (on a mesh, where they are split over the devices'
+    columns, the pair is never joined)."""
     if isinstance(w, PackedWeight):
-        return packed_linear(x.astype(jnp.float32), w.values, w.layer, w.backend, w.passes,
-                             *((norm.weight, norm.eps) if norm else ()), gated=gated,
-                             residual=residual).astype(x.dtype)
+        joined = jnp.concatenate(x, axis=-1) if gated else x
+        return packed_linear(joined.astype(jnp.float32), w.values, w.layer, w.backend,
+                             w.passes, *((norm.weight, norm.eps) if norm else ()), gated=gated,
+                             residual=residual).astype(joined.dtype)
     y = _product(prologue(x, norm, gated), w)
     return y if residual is None else residual + y
 
@@ -137,7 +140,7 @@ def fuse(weights: list[PackedWeight]) -> PackedWeight | None:
                         splits=tuple(w.values.shape[-4] * 16 for w in weights))
 
 
-def linear_group(x: jax.Array, weights: dict, group: str, members: tuple[str, ...],
+def linear_group(x: Input, weights: dict, group: str, members: tuple[str, ...],
                  norm: Norm | None = None, gated: bool = False,
                  residual: jax.Array | None = None) -> list[jax.Array]:
     """x (through `norm` or `gated` first, as `linear` takes them) @ each member projection

@@ -139,7 +139,7 @@ class DecoderLayers(nnx.Module):
             (x,) = project(attn.reshape(num_tokens, -1), "o", residual=x)
             gate, up = project(x, "gate_up", Norm(w["post_norm"], cfg.rms_norm_eps))
             # silu(gate) * up in the down projection's kernel where it has one (`linear`)
-            (x,) = project(jnp.concatenate([gate, up], axis=-1), "down", gated=True, residual=x)
+            (x,) = project((gate, up), "down", gated=True, residual=x)
             return (x, cache, i + 1), None
 
         (x, kv_cache, _), _ = scan_layers(layer, (x, kv_cache, jnp.int32(0)), weights)
