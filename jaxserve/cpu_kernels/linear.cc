@@ -140,6 +140,10 @@ inline float XlaRsqrt(float v) {
   return y;
 }
 
+// Round to nearest, for the rounding intrinsics that keep the compiler from contracting
+// a multiply into an add where XLA's bits are reproduced.
+constexpr int kNear = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+
 // The lanes of inputs [c, c + 16) that are below k.
 inline __mmask16 Live(int64_t c, int64_t k) {
   return c >= k ? 0 : k - c >= kCols ? 0xffff : (1u << (k - c)) - 1;
@@ -161,7 +165,6 @@ struct RowNorm {
   // (XLA's form of a division by a constant), eps added in the same multiply-add; then
   // XLA's rsqrt. Rounding intrinsics keep the compiler from contracting anything else.
   AVX512_BF16 float Factor(const float* row) const {
-    constexpr int kNear = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
     int64_t width = 1;
     while (width < k) width *= 2;
     thread_local AlignedVector<float> sums;
@@ -186,7 +189,6 @@ struct RowNorm {
 
   // Inputs [c, c + 16) of a row whose Factor is `factor`, normalized: (x * factor) * weight.
   AVX512_BF16 __m512 Apply(__m512 x, float factor, int64_t c, __mmask16 live) const {
-    constexpr int kNear = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
     return _mm512_mul_round_ps(_mm512_mul_round_ps(x, _mm512_set1_ps(factor), kNear),
                                _mm512_maskz_loadu_ps(live, weight + c), kNear);
   }
@@ -198,7 +200,6 @@ struct RowNorm {
 // polynomial with the multiply-adds it contracts (read from the assembly it writes for
 // that fusion), then times up. In XLA it was a fusion of ~6 % of a 256-token prefill.
 AVX512_BF16 __m512 XlaSwiglu(__m512 gate, __m512 up) {
-  constexpr int kNear = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
   auto splat = [](uint32_t bits) { return _mm512_castsi512_ps(_mm512_set1_epi32(bits)); };
   // -gate clamped (the operands in XLA's order: a NaN passes through)
   __m512 t = _mm512_xor_ps(gate, splat(0x80000000));
@@ -638,11 +639,8 @@ AVX512_VNNI void QuantizeRows(const float* x, int64_t m, int64_t k, int64_t k_bl
   for (int64_t r = 0; r < m; ++r)
     for (int64_t kb = 0; kb < k_blocks; ++kb) {
       const int64_t c = kb * kDepth;
-      const auto live = [&](int64_t at) -> __mmask16 {
-        return k - at >= 16 ? 0xffff : k - at <= 0 ? 0 : (1u << (k - at)) - 1;
-      };
-      const __m512 v0 = _mm512_maskz_loadu_ps(live(c), x + r * k + c);
-      const __m512 v1 = _mm512_maskz_loadu_ps(live(c + 16), x + r * k + c + 16);
+      const __m512 v0 = _mm512_maskz_loadu_ps(Live(c, k), x + r * k + c);
+      const __m512 v1 = _mm512_maskz_loadu_ps(Live(c + 16, k), x + r * k + c + 16);
       // an inf or NaN input (x * 0 is NaN) makes the block's scale NaN: non-finite in, out
       const __m512 zero = _mm512_setzero_ps();
       const bool finite = !(_mm512_cmp_ps_mask(_mm512_mul_ps(v0, zero), zero, _CMP_NEQ_UQ) |
