@@ -64,6 +64,7 @@ constexpr int64_t kCols = 16;         // f32 columns of an output tile
 constexpr int64_t kDepth = 32;        // inputs a tile multiplies (16 bf16 pairs)
 constexpr int64_t kTile = kRows * kDepth;  // bf16 values in an A or B tile (1 KiB)
 constexpr int64_t kItemBlocks = 8;    // column blocks of an AMX work item (128 columns)
+constexpr int64_t kOverlapBlocks = 2;  // x of up to this many row blocks: split beside the widening
 // AVX512-BF16: a register block of kVecRows rows x kVecBlocks column blocks (16 f32
 // accumulators; 4 x 4 measured fastest of 4x4, 6x4 and 8x2 at SmolLM2's shapes), and a
 // work item of that many column blocks, so a 576-column output makes 9 items for 2 cores.
@@ -581,11 +582,6 @@ AVX512_BF16 void Bf16Columns(const Problem& p, int64_t b0, int64_t b1) {
   else VecColumns<false, false>(p, b0, b1);
 }
 
-// Output columns [16 * b0, 16 * b1) of a Q4_1 weight on AVX512-BF16.
-AVX512_BF16 void Q41Columns(const Problem& p, const uint8_t* w, int64_t b0, int64_t b1) {
-  Bf16Columns(Widened(p, w, b0, b1), 0, b1 - b0);
-}
-
 // int8 activations (`passes` 0) against Q4_1 weights, on AVX512-VNNI. Each row's block of
 // 32 inputs is quantized in two int8 terms, x ~ d * q + d2 * q2: q as llama.cpp quantizes
 // a Q4_1 file's activations (d = max|x| / 127, q = round(x / d) to nearest even), q2 the
@@ -769,14 +765,18 @@ AVX512_BF16 void AddResidual(const float* residual, float* y, int64_t m, int64_t
 
 // Claims work items (runs of column blocks) from `next` until none is left (RunOnPool);
 // returns how many it ran. A Q4_1 weight (`w8` not null) is widened an item at a time
-// (Widened). A thread's tiles are configured at its first item only.
+// (Widened), before the item waits for x (`x_ready`, when the caller is still writing
+// it). A thread's tiles are configured at its first item only.
 AMX int64_t DrainColumns(const Problem& p, const uint8_t* w8, const float* residual,
-                         std::atomic<int64_t>& next, int64_t items) {
+                         const std::atomic<bool>* x_ready, std::atomic<int64_t>& next,
+                         int64_t items) {
   int64_t finished = 0;
   for (int64_t i = next.fetch_add(1); i < items; i = next.fetch_add(1)) {
     if (!finished) ConfigureTiles();
     const int64_t b0 = i * kItemBlocks, b1 = std::min(p.n_blocks, b0 + kItemBlocks);
-    if (w8) Columns(Widened(p, w8, b0, b1), 0, b1 - b0);
+    const Problem part = w8 ? Widened(p, w8, b0, b1) : p;
+    jaxserve::AwaitFlag(x_ready);
+    if (w8) Columns(part, 0, b1 - b0);
     else Columns(p, b0, b1);
     if (residual) AddResidual(residual, p.y, p.m, p.n, b0, b1);
     ++finished;
@@ -847,25 +847,38 @@ ffi::Error Linear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<kWe
                    s8.data());
       int8 = {q8.data(), d8.data(), q8b.data(), d8b.data(), s8.data(), k_blocks};
     }
-  } else {
+  }
+  if (passes != 0) {
     const size_t size = m_blocks * kRows * depth;
     const bool padded = m % kRows != 0 || k % kDepth != 0;  // else Split writes it all
     x_hi = Grown(hi, size, padded);
     if (passes == 2) x_lo = Grown(lo, size, padded);
-    // a row block an item, over the pool (a 256-token prefill's Splits, on one thread,
-    // were ~6 % of its step while the other core waited)
-    const float* x0 = x.typed_data();
-    const bool tiled = isa == Isa::kAmx;
+  }
+  const float* x0 = x.typed_data();
+  const auto split = [=](int64_t b) {  // row block b of x into x_hi (and x_lo)
+    const int64_t r0 = b * kRows;
+    Split(x0 + r0 * stride, std::min(kRows, m - r0), k, stride, nullptr, depth,
+          isa == Isa::kAmx, x_hi + r0 * depth, x_lo ? x_lo + r0 * depth : nullptr, prologue);
+  };
+  // x is split on this thread while the pool's threads widen their first Q4_1 items,
+  // where it has a decode's few rows (a 16-row decode's Splits, 4-18 us a call, kept the
+  // other core waiting ~1 ms a step); else a row block an item over the pool, before the
+  // products (a 256-token prefill's Splits, on one thread, were ~6 % of its step)
+  const bool overlap = kQ41 && passes != 0 && m_blocks <= kOverlapBlocks;
+  std::atomic<bool> x_ready{false};
+  const auto split_here = [&] {
+    if (!overlap) return;
+    for (int64_t b = 0; b < m_blocks; ++b) split(b);
+    x_ready.store(true, std::memory_order_release);
+  };
+  if (passes != 0 && !overlap)
     jaxserve::RunOnPool(pool, m_blocks, [=](std::atomic<int64_t>& next, int64_t total) {
       int64_t finished = 0;
-      for (int64_t b = next.fetch_add(1); b < total; b = next.fetch_add(1), ++finished) {
-        const int64_t r0 = b * kRows;
-        Split(x0 + r0 * stride, std::min(kRows, m - r0), k, stride, nullptr, depth, tiled,
-              x_hi + r0 * depth, x_lo ? x_lo + r0 * depth : nullptr, prologue);
-      }
+      for (int64_t b = next.fetch_add(1); b < total; b = next.fetch_add(1), ++finished)
+        split(b);
       return finished;
     });
-  }
+  const std::atomic<bool>* ready = overlap ? &x_ready : nullptr;
   const uint16_t* w16 = nullptr;  // a bf16 weight's layer, or a Q4_1 one's
   const uint8_t* w8 = nullptr;
   if constexpr (kQ41) w8 = w.typed_data() + l * n_blocks * k_blocks * kQ4Tile;
@@ -875,26 +888,36 @@ ffi::Error Linear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<kWe
   const float* res = residual.element_count() ? residual.typed_data() : nullptr;
   if (isa == Isa::kAmx && !int8.q) {  // int8 activations take AVX512-VNNI's loop below
     const int64_t items = (n_blocks + kItemBlocks - 1) / kItemBlocks;
-    jaxserve::RunOnPool(pool, items, [p, w8, res](std::atomic<int64_t>& next, int64_t total) {
-      return DrainColumns(p, w8, res, next, total);
-    });
+    jaxserve::RunOnPool(
+        pool, items,
+        [p, w8, res, ready](std::atomic<int64_t>& next, int64_t total) {
+          return DrainColumns(p, w8, res, ready, next, total);
+        },
+        split_here);
   } else {
     const int64_t items = (n_blocks + kVecBlocks - 1) / kVecBlocks;
-    jaxserve::RunOnPool(pool, items, [p, w8, int8, res](std::atomic<int64_t>& next,
-                                                        int64_t total) {
-      int64_t finished = 0;
-      for (int64_t i = next.fetch_add(1); i < total; i = next.fetch_add(1), ++finished) {
-        const int64_t b0 = i * kVecBlocks, b1 = std::min(p.n_blocks, b0 + kVecBlocks);
-        if constexpr (kQ41) {
-          if (int8.q) Int8Columns(p, int8, w8, b0, b1);
-          else Q41Columns(p, w8, b0, b1);
-        } else {
-          Bf16Columns(p, b0, b1);
-        }
-        if (res) AddResidual(res, p.y, p.m, p.n, b0, b1);
-      }
-      return finished;
-    });
+    jaxserve::RunOnPool(
+        pool, items,
+        [p, w8, int8, res, ready](std::atomic<int64_t>& next, int64_t total) {
+          int64_t finished = 0;
+          for (int64_t i = next.fetch_add(1); i < total; i = next.fetch_add(1), ++finished) {
+            const int64_t b0 = i * kVecBlocks, b1 = std::min(p.n_blocks, b0 + kVecBlocks);
+            if constexpr (kQ41) {
+              if (int8.q) {
+                Int8Columns(p, int8, w8, b0, b1);
+              } else {
+                const Problem part = Widened(p, w8, b0, b1);
+                jaxserve::AwaitFlag(ready);
+                Bf16Columns(part, 0, b1 - b0);
+              }
+            } else {
+              Bf16Columns(p, b0, b1);
+            }
+            if (res) AddResidual(res, p.y, p.m, p.n, b0, b1);
+          }
+          return finished;
+        },
+        split_here);
   }
   return ffi::Error::Success();
 }

@@ -14,6 +14,7 @@
 #include <cstdint>
 #include <memory>
 #include <mutex>
+#include <thread>
 #include <utility>
 
 #include "xla/ffi/api/ffi.h"
@@ -23,13 +24,20 @@ namespace jaxserve {
 // ~0.2-1 ms of pause instructions (an item takes ~10-100 us)
 constexpr int kSpins = 1 << 14;
 
+// What RunOnPool runs first when the caller has no work of its own before the items.
+struct Nothing {
+  void operator()() const {}
+};
+
 // Runs drain(next, items) on this thread and on up to the pool's threads: each claims
 // item indices with next.fetch_add(1) until one is >= items, runs them, and returns how
 // many it ran; this returns when all have run. `drain` is kept in a state that outlives
 // the call (a pool task may start after it returned, and then claims nothing), so it
-// holds by value whatever the items read.
-template <typename Drain>
-void RunOnPool(xla::ffi::ThreadPool pool, int64_t items, Drain drain) {
+// holds by value whatever the items read. `first` runs on this thread once the helpers
+// are asked for and before it claims items: work that the items wait for while
+// they do their own first part (AwaitFlag).
+template <typename Drain, typename First = Nothing>
+void RunOnPool(xla::ffi::ThreadPool pool, int64_t items, Drain drain, First first = {}) {
   struct State {
     State(int64_t n, Drain d) : items(n), drain(std::move(d)) {}
     const int64_t items;
@@ -51,6 +59,7 @@ void RunOnPool(xla::ffi::ThreadPool pool, int64_t items, Drain drain) {
   auto state = std::make_shared<State>(items, std::move(drain));
   const int64_t helpers = std::min<int64_t>(pool.num_threads(), items - 1);
   for (int64_t i = 0; i < helpers; ++i) pool.Schedule([state] { state->Run(); });
+  first();
   state->Run();
   // What is left is a helper's last item: wait for it awake first (sleeping on the
   // condition variable, a 16-row decode step switched threads ~200 times instead of ~65,
@@ -59,6 +68,14 @@ void RunOnPool(xla::ffi::ThreadPool pool, int64_t items, Drain drain) {
   for (int spins = 0; spins < kSpins && state->done.load() != items; ++spins) _mm_pause();
   std::unique_lock<std::mutex> lock(state->mu);
   state->all_done.wait(lock, [&] { return state->done.load() == items; });
+}
+
+// Waits until `flag` (if any) is set by RunOnPool's `first`: awake a while, then yielding
+// the core, which the thread that sets it may be waiting for (two cores, three threads).
+inline void AwaitFlag(const std::atomic<bool>* flag) {
+  for (int spins = 0; flag && !flag->load(std::memory_order_acquire); ++spins)
+    if (spins < kSpins) _mm_pause();
+    else std::this_thread::yield();
 }
 
 }  // namespace jaxserve
