@@ -64,7 +64,7 @@ constexpr int64_t kCols = 16;         // f32 columns of an output tile
 constexpr int64_t kDepth = 32;        // inputs a tile multiplies (16 bf16 pairs)
 constexpr int64_t kTile = kRows * kDepth;  // bf16 values in an A or B tile (1 KiB)
 constexpr int64_t kItemBlocks = 8;    // column blocks of an AMX work item (128 columns)
-constexpr int64_t kOverlapBlocks = 2;  // x of up to this many row blocks: split beside the widening
+constexpr int64_t kOverlapBlocks = 2;  // x of at most this many row blocks: split beside widening
 // AVX512-BF16: a register block of kVecRows rows x kVecBlocks column blocks (16 f32
 // accumulators; 4 x 4 measured fastest of 4x4, 6x4 and 8x2 at SmolLM2's shapes), and a
 // work item of that many column blocks, so a 576-column output makes 9 items for 2 cores.
