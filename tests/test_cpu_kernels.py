@@ -146,6 +146,53 @@ def test_quantized_pools_match_the_reference_on_their_dequantized_values(
         np.testing.assert_array_equal(kept, got)
 
 
+AMX = "amx_bf16" in build.cpu_flags().split()
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_prompt_rows_take_amx_and_stay_f32_close(head_dim):
+    """Rows flagged as a prompt's (bf16 pages of 16 keys) run on AMX where the CPU has it,
+    q and the weights each in two bf16 parts: within 2e-5 of the float64 reference (the
+    f32 loop: 1e-6), and not the f32 loop's bits (where they attend to more than one
+    key), so the flag is seen; the other rows of the same call give the f32 loop's bits,
+    as a call without flags gives them."""
+    rng = np.random.default_rng(head_dim)
+    group, num_kv_heads = (3, 3) if head_dim == 64 else (4, 2)
+    shape = (2, num_kv_heads, NUM_PAGES, 16, head_dim)
+    (k, _, k_f32), (v, _, v_f32) = (store(rng.standard_normal(shape, np.float32), "bf16")
+                                    for _ in range(2))
+    scale = head_dim**-0.5
+    run = jax.jit(lambda *a, **kw: cpu_paged_attention(*a, scale=scale, **kw))
+    amx_rows = 0  # flagged rows whose output is not the f32 loop's
+    for rows in rows_cases(rng, 16):
+        q_lens = [q for q, _ in rows]
+        cu_q_lens = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+        kv_lens = np.array([kv for _, kv in rows], np.int32)
+        table = assign_pages(rng, kv_lens, 16)
+        prompt = rng.integers(0, 2, len(rows)).astype(np.int32)
+        q = rng.standard_normal((NUM_TOKENS, group * num_kv_heads, head_dim), np.float32)
+        for layer in range(2):
+            got = np.asarray(run(q, k, v, cu_q_lens, kv_lens, table, layer, prompt_rows=prompt))
+            f32 = np.asarray(run(q, k, v, cu_q_lens, kv_lens, table, layer))
+            want = reference(q, k_f32[layer], v_f32[layer], cu_q_lens, kv_lens, table, scale)
+            np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5, err_msg=str(rows))
+            assert not got[cu_q_lens[-1]:].any(), "padding tokens must output zeros"
+            for r, (a, b) in enumerate(itertools.pairwise(cu_q_lens)):
+                if not prompt[r]:
+                    np.testing.assert_array_equal(got[a:b], f32[a:b])
+                elif not np.array_equal(got[a:b], f32[a:b]):
+                    amx_rows += 1
+    assert (amx_rows > 4) == AMX, amx_rows
+
+
+def test_prompt_rows_need_one_flag_a_row():
+    with pytest.raises(ValueError, match="prompt_rows has shape"):
+        cpu_paged_attention(
+            jnp.zeros((4, 2, 16)), jnp.zeros((1, 2, 8, 4, 16)), jnp.zeros((1, 2, 8, 4, 16)),
+            jnp.zeros((3,), jnp.int32), jnp.zeros((2,), jnp.int32), jnp.zeros((2, 2), jnp.int32),
+            0, scale=1.0, prompt_rows=jnp.zeros((3,), jnp.int32))
+
+
 @pytest.mark.parametrize("storage", QUANTIZED)
 def test_every_stored_value_is_dequantized_exactly(storage):
     """One query over one key: the output is that key's value row, bit for bit. The row
@@ -207,11 +254,13 @@ def test_int8_scales_are_applied_per_token():
     np.testing.assert_array_equal(doubled, got * 2)
 
 
+@pytest.mark.parametrize("prompt", [False, True])
 @pytest.mark.parametrize("storage", ["f32", *QUANTIZED])
-def test_stale_slots_junk_pages_and_padding_do_not_leak(storage):
+def test_stale_slots_junk_pages_and_padding_do_not_leak(storage, prompt):
     """NaN in the null page, in the slots past each row's length and in padding queries,
     out-of-range ids past each row's pages: the output is finite and unchanged. (In an
-    int8 pool a NaN vector stores a NaN scale.)"""
+    int8 pool a NaN vector stores a NaN scale.) `prompt`: every row a prompt's (on AMX
+    for bf16 where the CPU has it)."""
     rng = np.random.default_rng(7)
     page_size, rows = 16, [(1, 37), (5, 23), (0, 0), (16, 16), (2, 15)]
     shape = (1, 2, NUM_PAGES, page_size, 64)
@@ -223,8 +272,9 @@ def test_stale_slots_junk_pages_and_padding_do_not_leak(storage):
 
     def run(q, k, v, table):
         (k, k_scale, _), (v, v_scale, _) = store(k, storage), store(v, storage)
+        flags = {"prompt_rows": np.ones(len(rows), np.int32)} if prompt else {}
         return np.asarray(cpu_paged_attention(q, k, v, cu_q_lens, kv_lens, table, 0,
-                                               scale=0.1, **scales(k_scale, v_scale)))
+                                               scale=0.1, **scales(k_scale, v_scale), **flags))
 
     clean = run(q, k, v, table)
     k_bad, v_bad, q_bad, table_bad = k.copy(), v.copy(), q.copy(), table.copy()
@@ -242,14 +292,16 @@ def test_stale_slots_junk_pages_and_padding_do_not_leak(storage):
 
 
 
+@pytest.mark.parametrize("prompt", [False, True])
 @pytest.mark.parametrize("storage", ["f32", *QUANTIZED])
 @pytest.mark.parametrize("head_dim", [64, 128])
-def test_a_tokens_output_is_the_same_however_its_prompt_is_chunked(storage, head_dim):
+def test_a_tokens_output_is_the_same_however_its_prompt_is_chunked(storage, head_dim, prompt):
     """Bitwise, on the specialized shapes: a prompt attended whole, in ragged chunks (one
     call each, or all as rows of one call) and a token at a time. The kernel takes a tile
     of many queries and a decode's few in different loops; were their sums rounded
     differently, a token's output would depend on how the scheduler chunked its prompt,
-    and sampled tokens on what else shared the step."""
+    and sampled tokens on what else shared the step. `prompt`: the rows flagged as a
+    prompt's, as the engine flags them (AMX's loop for bf16 where the CPU has it)."""
     rng = np.random.default_rng(head_dim + len(storage))
     page_size, group, num_kv_heads, length = 16, 3, 2, 70
     shape = (1, num_kv_heads, NUM_PAGES, page_size, head_dim)
@@ -262,9 +314,10 @@ def test_a_tokens_output_is_the_same_however_its_prompt_is_chunked(storage, head
         """Rows of tokens [start, end) of the prompt, each with the keys up to its end."""
         rows = np.concatenate([q[a:b] for a, b in zip(starts, ends)])
         cu_q_lens = np.concatenate([[0], np.cumsum(np.subtract(ends, starts))]).astype(np.int32)
+        flags = {"prompt_rows": np.ones(len(ends), np.int32)} if prompt else {}
         return np.asarray(cpu_paged_attention(
             rows, k, v, cu_q_lens, np.array(ends, np.int32), np.repeat(table, len(ends), 0),
-            0, scale=head_dim**-0.5, **scales(k_scale, v_scale)))
+            0, scale=head_dim**-0.5, **scales(k_scale, v_scale), **flags))
 
     whole = attend([0], [length])
     cuts = [0, 5, 6, 22, 40, length]
@@ -301,10 +354,12 @@ def test_int8_pools_need_their_scales_and_no_other_takes_any():
 
 
 def test_the_kernel_itself_refuses_other_dtypes_and_misshapen_scales():
-    """The C++ checks, past the wrapper's: an f16 pool, int8 scales not shaped like it."""
+    """The C++ checks, past the wrapper's: an f16 pool, int8 scales not shaped like it,
+    prompt flags not one a row."""
     ffi = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((4, 2, 16), jnp.float32))
+    # cu_q_lens, kv_lens, page_table, the prompt flags (none) and the layer
     ints = (jnp.zeros((3,), jnp.int32), jnp.zeros((2,), jnp.int32),
-            jnp.zeros((2, 2), jnp.int32), jnp.zeros((1,), jnp.int32))
+            jnp.zeros((2, 2), jnp.int32), jnp.zeros((0,), jnp.int32), jnp.zeros((1,), jnp.int32))
     q, dummy = jnp.zeros((4, 2, 16), jnp.float32), jnp.zeros((1,), jnp.float32)
     f16 = jnp.zeros((1, 2, 8, 4, 16), jnp.float16)
     with pytest.raises(Exception, match=r"must be f32, bf16 \(or its u16 bits\), s8 or f8e4m3fn"):
@@ -317,6 +372,10 @@ def test_the_kernel_itself_refuses_other_dtypes_and_misshapen_scales():
     f32 = jnp.zeros((1, 2, 8, 4, 16), jnp.float32)  # K not transposed
     with pytest.raises(Exception, match=r"k must be v's dtype, shaped \[L, H, P, head_dim"):
         jax.block_until_ready(ffi(q, f32, f32, dummy, dummy, *ints, scale=np.float32(1)))
+    flags = (*ints[:3], jnp.zeros((3,), jnp.int32), ints[4])
+    with pytest.raises(Exception, match="prompt must have one flag a row"):
+        jax.block_until_ready(ffi(q, f32.swapaxes(-1, -2), f32, dummy, dummy, *flags,
+                                  scale=np.float32(1)))
 
 
 def test_each_call_publishes_the_next_layers_pages_for_the_projections_to_prefetch():

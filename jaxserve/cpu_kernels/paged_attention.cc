@@ -30,6 +30,8 @@
 // for linear.cc's decode loop to fetch while the projections between the two multiply.
 
 #include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <array>
@@ -149,6 +151,7 @@ struct Problem {
   const int32_t* cu_q_lens;   // [num_rows + 1]
   const int32_t* kv_lens;     // [num_rows]
   const int32_t* page_table;  // [num_rows, max_pages]
+  const int32_t* prompt;      // [num_rows]: 1 where the row's tokens are prompt tokens; or null
   float* out;                 // [num_tokens, num_heads, head_dim]
   int64_t num_heads, head_dim, num_kv_heads, num_pages, page_size, max_pages, layer;
   float scale;
@@ -172,6 +175,12 @@ struct Scratch {
   std::vector<int64_t> pos, valid;
   std::vector<float> qt;  // AttendLanes: q transposed, [blocks of kLanes queries, D, kLanes]
   std::vector<int32_t> lane_pos;  // and each query's position (-1: none)
+  // AmxItem: q's two bf16 parts as A tiles, the scores and the weights' two parts of a
+  // group of pages (each [blocks of 16 queries, 16, kAmxKeys], line-aligned: LineUp), and
+  // each query's factor for its outputs so far; the rows its tiles are configured for
+  std::vector<uint16_t> q_hi, q_lo, w_hi, w_lo;
+  std::vector<float> scores, correction;
+  int tile_rows = 0;
   Scratch(const Problem& p, int64_t group)
       : q(kTileTokens * group * p.head_dim),
         acc(kTileTokens * group * p.head_dim),
@@ -185,6 +194,8 @@ struct Scratch {
         qt(kTileTokens * group * p.head_dim),
         lane_pos(kTileTokens * group) {}
 };
+
+constexpr int64_t kAmxKeys = 64;  // keys of AmxItem's softmax steps: 4 pages of 16
 
 #ifdef __AVX512F__
 // Pages of 16 keys, AVX-512 (every SmolLM2/Llama-shaped step). A prefill tile's queries
@@ -648,6 +659,301 @@ void RunItem(const Problem& p, const Item& it, Scratch& sc) {
   }
 }
 
+#ifdef __AVX512F__
+// A prompt's tokens on AMX (bf16 pages of 16 keys; head sizes 64 and 128): a 256-token
+// prefill's attention took ~14 ms of its ~62 on AttendLanes' f32 multiply-adds, at a
+// sixth of the rate the projections reach on AMX. q and the softmax weights are each two
+// bf16 parts (x ~ hi + lo, lo = bf16(x - hi): the f32 value to ~2^-17 of it) multiplied
+// by the bf16 K and V by tdpbf16ps, so the result is f32-close (not AttendLanes' bits).
+// Every query is a row of the A tiles with a softmax of its own, so its output does not
+// depend on the other queries of its item, its step or its chunking; prompt tokens take
+// this path and generated ones RunItem's, whatever their number, so no token's output
+// depends on how its prompt was split (`prompt`, from the scheduler's chunks).
+struct TileConfig {
+  uint8_t palette_id = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+#define AMX __attribute__((target("amx-tile,amx-bf16,avx512bf16")))
+
+// Tiles: 0-3 accumulate (scores of 4 blocks of 16 queries, or 4 blocks of 16 of the
+// head's outputs), 4 and 7 the A operands (q's or the weights' hi and lo parts, `rows`
+// queries), 5 and 6 the B operands (K's or V's, 16 rows).
+AMX void ConfigureAttentionTiles(int rows) {
+  TileConfig config;
+  for (int t = 0; t < 8; ++t) {
+    config.rows[t] = t == 5 || t == 6 ? 16 : rows;
+    config.colsb[t] = 64;
+  }
+  _tile_loadconfig(&config);
+}
+
+AMX void ReleaseAttentionTiles() { _tile_release(); }
+
+// accumulator t (a run-time index: the intrinsics take immediates)
+AMX inline void TileZero(int64_t t) {
+  switch (t) {
+    case 0: _tile_zero(0); break;
+    case 1: _tile_zero(1); break;
+    case 2: _tile_zero(2); break;
+    default: _tile_zero(3);
+  }
+}
+
+AMX inline void TileStore(int64_t t, void* at, int64_t stride) {
+  switch (t) {
+    case 0: _tile_stored(0, at, stride); break;
+    case 1: _tile_stored(1, at, stride); break;
+    case 2: _tile_stored(2, at, stride); break;
+    default: _tile_stored(3, at, stride);
+  }
+}
+
+// accumulator t += (tile 4) x b, then += (tile 7) x b: both parts of A by B in tile 5 or 6
+AMX inline void TileProducts(int64_t t, bool b5) {
+#define JAXSERVE_PRODUCTS(T)                                            \
+  if (b5) {                                                             \
+    _tile_dpbf16ps(T, 4, 5);                                            \
+    _tile_dpbf16ps(T, 7, 5);                                            \
+  } else {                                                              \
+    _tile_dpbf16ps(T, 4, 6);                                            \
+    _tile_dpbf16ps(T, 7, 6);                                            \
+  }
+  switch (t) {
+    case 0: JAXSERVE_PRODUCTS(0) break;
+    case 1: JAXSERVE_PRODUCTS(1) break;
+    case 2: JAXSERVE_PRODUCTS(2) break;
+    default: JAXSERVE_PRODUCTS(3)
+  }
+#undef JAXSERVE_PRODUCTS
+}
+
+// Linux hands out AMX's tile state only to a process that asks for it (once).
+bool RequestAmx() {
+  constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+  static const bool granted =
+      syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
+  return granted;
+}
+
+template <typename T>
+T* LineUp(std::vector<T>& buffer, size_t size) {
+  if (buffer.size() < size + 64 / sizeof(T)) buffer.resize(size + 64 / sizeof(T));
+  return reinterpret_cast<T*>((reinterpret_cast<uintptr_t>(buffer.data()) + 63) &
+                              ~uintptr_t{63});
+}
+
+// x's two bf16 parts (hi, lo = bf16(x - hi)) for 32 values (a, then b): A tiles' rows
+AMX inline void SplitPair(__m512 a, __m512 b, uint16_t* hi, uint16_t* lo) {
+  const __m512bh h = _mm512_cvtne2ps_pbh(b, a);
+  const __m512i bits = reinterpret_cast<__m512i>(h);
+  const __m512 back_a = _mm512_castsi512_ps(
+      _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(bits)), 16));
+  const __m512 back_b = _mm512_castsi512_ps(
+      _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(bits, 1)), 16));
+  _mm512_store_si512(hi, bits);
+  _mm512_store_si512(lo, reinterpret_cast<__m512i>(
+                             _mm512_cvtne2ps_pbh(_mm512_sub_ps(b, back_b),
+                                                 _mm512_sub_ps(a, back_a))));
+}
+
+template <int64_t D>
+AMX void AmxItem(const Problem& p, const Item& it, Scratch& sc) {
+  constexpr int64_t PS = 16, G = kAmxKeys / PS, C = D / 32;  // pages a group; head chunks
+  const int64_t H = p.num_heads, group = H / p.num_kv_heads;
+  const int64_t tokens = it.end - it.begin, n = tokens * group, blocks = (n + 15) / 16;
+  const int64_t row_end = p.cu_q_lens[it.row + 1];
+  const int64_t kv_len = std::min<int64_t>(p.kv_lens[it.row], p.max_pages * PS);
+  int64_t last_pos = -1;
+  for (int64_t i = 0; i < tokens; ++i) {
+    sc.pos[i] = kv_len - (row_end - (it.begin + i));
+    last_pos = std::max(last_pos, sc.pos[i]);
+  }
+  // q scaled in f32 (as RunItem scales it), in two parts, as A tiles [blocks, C, 16, 32]
+  uint16_t* __restrict q_hi = LineUp(sc.q_hi, blocks * C * 512);
+  uint16_t* __restrict q_lo = LineUp(sc.q_lo, blocks * C * 512);
+  const __m512 scale = _mm512_set1_ps(p.scale);
+  for (int64_t qi = 0; qi < blocks * 16; ++qi) {
+    const float* src = p.q + ((it.begin + qi / group) * H + it.kv_head * group + qi % group) * D;
+    for (int64_t c = 0; c < C; ++c) {
+      const int64_t at = ((qi / 16 * C + c) * 16 + qi % 16) * 32;
+      const __m512 a = qi < n ? _mm512_mul_ps(_mm512_loadu_ps(src + 32 * c), scale)
+                              : _mm512_setzero_ps();
+      const __m512 b = qi < n ? _mm512_mul_ps(_mm512_loadu_ps(src + 32 * c + 16), scale)
+                              : _mm512_setzero_ps();
+      SplitPair(a, b, q_hi + at, q_lo + at);
+    }
+  }
+  float* __restrict acc = sc.acc.data();
+  std::fill(acc, acc + n * D, 0.0f);
+  std::fill(sc.m.begin(), sc.m.begin() + n, -INFINITY);
+  std::fill(sc.l.begin(), sc.l.begin() + n, 0.0f);
+  float* correction = LineUp(sc.correction, blocks * 16);
+  alignas(64) uint16_t kb[C][16 * 32];  // a page's K as B tiles: [pair of head][key, member]
+  alignas(64) uint16_t vb[2][D / 16][16 * 32];  // V: [32 keys][16 of head][key pair][value, member]
+  alignas(64) float o[4][16][16];  // a row block's outputs, 4 blocks of 16 of the head
+  static const __m512i kPairs = _mm512_set_epi16(  // K rows d, d+1 -> (d, d+1) per key
+      31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
+      23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  static const __m512i kLow = _mm512_set_epi16(  // V rows j, j+1 -> pairs, values 0-15
+      47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8,
+      39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+  static const __m512i kHigh = _mm512_set_epi16(  // values 16-31
+      63, 31, 62, 30, 61, 29, 60, 28, 59, 27, 58, 26, 57, 25, 56, 24,
+      55, 23, 54, 22, 53, 21, 52, 20, 51, 19, 50, 18, 49, 17, 48, 16);
+  const int64_t num_pages = last_pos < 0 ? 0 : last_pos / PS + 1;
+  const int64_t layer_offset = (p.layer * p.num_kv_heads + it.kv_head) * p.num_pages;
+  const int64_t page_bytes = PS * D * 2;
+  const int tile_rows = static_cast<int>(std::min<int64_t>(16, n));
+  if (sc.tile_rows != tile_rows) {
+    ConfigureAttentionTiles(tile_rows);
+    sc.tile_rows = tile_rows;
+  }
+  const auto fetch = [&](int64_t a, const void* pool, int hint) {  // page a of the row
+    if (a >= num_pages) return;
+    const char* at =
+        static_cast<const char*>(pool) + (layer_offset + PageAt(p, it.row, a)) * page_bytes;
+    for (int64_t line = 0; line < page_bytes; line += 64)
+      if (hint == _MM_HINT_T0) _mm_prefetch(at + line, _MM_HINT_T0);
+      else _mm_prefetch(at + line, _MM_HINT_T1);
+  };
+  const size_t tile_values = blocks * 16 * kAmxKeys;
+  float* __restrict s = LineUp(sc.scores, tile_values);  // [blocks][16 queries][kAmxKeys]
+  uint16_t* __restrict w_hi = LineUp(sc.w_hi, tile_values);  // the weights' parts, the same
+  uint16_t* __restrict w_lo = LineUp(sc.w_lo, tile_values);
+  std::fill(w_hi, w_hi + tile_values, uint16_t{0});  // rows past n stay zero
+  std::fill(w_lo, w_lo + tile_values, uint16_t{0});
+  for (int64_t g0 = 0; g0 < num_pages; g0 += G) {
+    const int64_t first_key = g0 * PS;
+    // the keys some query sees; past them a slot is stale (maybe NaN) or absent: its K
+    // and V are read as zeros (its weight is zero, but 0 x NaN is not)
+    const int64_t keys = std::min(kAmxKeys, last_pos - first_key + 1);
+    for (int64_t j = 0; j < G; ++j) {
+      const int64_t b = g0 + j, page_keys = std::clamp<int64_t>(keys - j * PS, 0, PS);
+      uint16_t* v_rows = vb[j / 2][0] + j % 2 * 8 * 32;  // this page's 8 key-pair rows
+      if (!page_keys) {
+        for (int64_t db = 0; db < D / 16; ++db) std::fill_n(v_rows + db * 512, 8 * 32, 0);
+        continue;
+      }
+      for (int64_t a = b == 0 ? 2 : b + kPagesAhead; a <= b + kPagesAhead; ++a)
+        for (const void* pool : {p.k, p.v}) fetch(a, pool, _MM_HINT_T1);
+      fetch(b + 1, p.k, _MM_HINT_T0);
+      const int64_t page = PageAt(p, it.row, b);
+      const uint16_t* k_page = static_cast<const uint16_t*>(p.k) + (layer_offset + page) * PS * D;
+      const uint16_t* v_page = static_cast<const uint16_t*>(p.v) + (layer_offset + page) * PS * D;
+      const __mmask32 live =
+          page_keys >= 16 ? ~__mmask32{0} : (__mmask32{1} << 2 * page_keys) - 1;
+      for (int64_t d2 = 0; d2 < D / 2; ++d2)  // rows 2 d2, 2 d2 + 1 of K: 64 bytes
+        _mm512_store_si512(kb[d2 / 16] + d2 % 16 * 32,
+                           _mm512_maskz_permutexvar_epi16(
+                               live, kPairs, _mm512_loadu_si512(k_page + d2 * 32)));
+      // this page's scores, up to 4 blocks of 16 queries at a time
+      for (int64_t rb0 = 0; rb0 < blocks; rb0 += 4) {
+        const int64_t nb = std::min<int64_t>(4, blocks - rb0);
+        for (int64_t c = 0; c < C; ++c) {
+          if (c % 2 == 0) _tile_loadd(5, kb[c], 64);
+          else _tile_loadd(6, kb[c], 64);
+          for (int64_t t = 0; t < nb; ++t) {
+            if (c == 0) TileZero(t);
+            const int64_t at = ((rb0 + t) * C + c) * 512;
+            _tile_loadd(4, q_hi + at, 64);
+            _tile_loadd(7, q_lo + at, 64);
+            TileProducts(t, c % 2 == 0);
+          }
+        }
+        for (int64_t t = 0; t < nb; ++t)
+          TileStore(t, s + (rb0 + t) * 16 * kAmxKeys + j * PS, kAmxKeys * 4);
+      }
+      fetch(b + 1, p.v, _MM_HINT_T0);
+      for (int64_t r = 0; r < 8; ++r)  // keys 2r, 2r + 1 of the page
+        for (int64_t h = 0; h < D / 32; ++h) {
+          const __m512i a = 2 * r < page_keys ? _mm512_loadu_si512(v_page + 2 * r * D + 32 * h)
+                                              : _mm512_setzero_si512();
+          const __m512i z = 2 * r + 1 < page_keys
+                                ? _mm512_loadu_si512(v_page + (2 * r + 1) * D + 32 * h)
+                                : _mm512_setzero_si512();
+          _mm512_store_si512(v_rows + 2 * h * 512 + r * 32, _mm512_permutex2var_epi16(a, kLow, z));
+          _mm512_store_si512(v_rows + (2 * h + 1) * 512 + r * 32,
+                             _mm512_permutex2var_epi16(a, kHigh, z));
+        }
+    }
+    // each query's softmax step over the group's keys: weights in f32, then in two parts
+    for (int64_t qi = 0; qi < n; ++qi) {
+      const float* row_s = s + qi * kAmxKeys;  // blocks of 16 queries are contiguous
+      uint16_t* row_hi = w_hi + qi * kAmxKeys;
+      uint16_t* row_lo = w_lo + qi * kAmxKeys;
+      const int64_t valid = std::clamp<int64_t>(sc.pos[qi / group] - first_key + 1, 0, kAmxKeys);
+      correction[qi] = 1.0f;
+      if (!valid) {
+        std::fill_n(row_hi, kAmxKeys, uint16_t{0});
+        std::fill_n(row_lo, kAmxKeys, uint16_t{0});
+        continue;
+      }
+      __m512 scores[G];
+      __mmask16 live[G];
+      __m512 top = _mm512_set1_ps(-INFINITY);
+      for (int64_t j = 0; j < G; ++j) {
+        const int64_t v = std::clamp<int64_t>(valid - 16 * j, 0, 16);
+        live[j] = v >= 16 ? 0xffff : (1u << v) - 1;
+        scores[j] = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), live[j],
+                                       _mm512_load_ps(row_s + 16 * j));
+        top = _mm512_max_ps(top, scores[j]);
+      }
+      float& m = sc.m[qi];
+      const float m_new = std::max(m, _mm512_reduce_max_ps(top));
+      if (m == -INFINITY) correction[qi] = 0.0f;
+      else if (m_new != m) correction[qi] = ExpNonPositive(m - m_new);
+      __m512 sum = _mm512_setzero_ps();
+      for (int64_t j = 0; j < G; j += 2) {
+        const __m512 a = _mm512_maskz_mov_ps(
+            live[j], ExpNonPositive(_mm512_sub_ps(scores[j], _mm512_set1_ps(m_new))));
+        const __m512 b = _mm512_maskz_mov_ps(
+            live[j + 1], ExpNonPositive(_mm512_sub_ps(scores[j + 1], _mm512_set1_ps(m_new))));
+        SplitPair(a, b, row_hi + 16 * j, row_lo + 16 * j);
+        sum = _mm512_add_ps(sum, _mm512_add_ps(a, b));
+      }
+      m = m_new;
+      sc.l[qi] = std::fma(sc.l[qi], correction[qi], SumTree(sum));
+    }
+    // the group's values: weights [16 queries, 64 keys] by V [64 keys, 16 of the head],
+    // in two halves of 32 keys, four blocks of the head at a time
+    for (int64_t rb = 0; rb < blocks; ++rb) {
+      const int64_t rows = std::min<int64_t>(16, n - rb * 16);
+      for (int64_t d0 = 0; d0 < D / 16; d0 += 4) {
+        for (int64_t t = 0; t < 4; ++t) TileZero(t);
+        for (int64_t half = 0; half < 2; ++half) {
+          const int64_t at = rb * 16 * kAmxKeys + 32 * half;
+          _tile_loadd(4, w_hi + at, kAmxKeys * 2);
+          _tile_loadd(7, w_lo + at, kAmxKeys * 2);
+          for (int64_t t = 0; t < 4; ++t) {
+            if (t % 2 == 0) _tile_loadd(5, vb[half][d0 + t], 64);
+            else _tile_loadd(6, vb[half][d0 + t], 64);
+            TileProducts(t, t % 2 == 0);
+          }
+        }
+        for (int64_t t = 0; t < 4; ++t) TileStore(t, o[t][0], 64);
+        for (int64_t row = 0; row < rows; ++row) {
+          const __m512 corr = _mm512_set1_ps(correction[rb * 16 + row]);
+          float* a = acc + (rb * 16 + row) * D + 16 * d0;
+          for (int64_t t = 0; t < 4; ++t)
+            _mm512_storeu_ps(a + 16 * t, _mm512_fmadd_ps(_mm512_loadu_ps(a + 16 * t), corr,
+                                                          _mm512_load_ps(o[t][row])));
+        }
+      }
+    }
+  }
+  for (int64_t qi = 0; qi < n; ++qi) {
+    float* dst = p.out + ((it.begin + qi / group) * H + it.kv_head * group + qi % group) * D;
+    const float inv = sc.l[qi] > 0.0f ? 1.0f / sc.l[qi] : 0.0f;
+    for (int64_t d = 0; d < D; ++d) dst[d] = acc[qi * D + d] * inv;
+  }
+}
+#undef AMX
+#endif
+
 jaxserve::PrefetchJob prefetch_job;  // linear.cc's kernels take it (JaxservePrefetchJob)
 
 // The K and V pages of the next layer (after the last, the first: the next step's) that
@@ -690,6 +996,17 @@ ItemFn ItemFor(const Problem& p) {
   return RunItem<Storage, 0, 0>;
 }
 
+// AmxItem for a step's prompt rows, where the CPU has AMX and the pages are bf16 of 16
+// keys; else null (every row takes ItemFor's).
+ItemFn PromptItemFor(const Problem& p) {
+#ifdef __AVX512F__
+  if (p.prompt && p.dtype == ffi::DataType::BF16 && p.page_size == 16 &&
+      (p.head_dim == 64 || p.head_dim == 128) && RequestAmx())
+    return p.head_dim == 64 ? AmxItem<64> : AmxItem<128>;
+#endif
+  return nullptr;
+}
+
 ItemFn ItemFor(const Problem& p) {
   switch (p.dtype) {
     case ffi::DataType::BF16:
@@ -707,8 +1024,8 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::An
                           ffi::AnyBuffer v, ffi::Buffer<ffi::F32> k_scale,
                           ffi::Buffer<ffi::F32> v_scale, ffi::Buffer<ffi::S32> cu_q_lens,
                           ffi::Buffer<ffi::S32> kv_lens, ffi::Buffer<ffi::S32> page_table,
-                          ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> out,
-                          float scale) {
+                          ffi::Buffer<ffi::S32> prompt, ffi::Buffer<ffi::S32> layer,
+                          ffi::ResultBuffer<ffi::F32> out, float scale) {
   // vd: [layers, kv_heads, pages, page_size, head_dim]; K has the last two swapped
   const auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions(),
              pd = page_table.dimensions();
@@ -732,9 +1049,12 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::An
     return ffi::Error::InvalidArgument("paged_attention: s8 k/v need scales shaped [L, H, P, S]");
   Problem p{q.typed_data(), k.untyped_data(), v.untyped_data(), k_scale.typed_data(),
             v_scale.typed_data(), dtype, cu_q_lens.typed_data(), kv_lens.typed_data(),
-            page_table.typed_data(), out->typed_data(), qd[1], qd[2], vd[1], vd[2], vd[3],
-            pd[1], layer.typed_data()[0], scale};
+            page_table.typed_data(), prompt.element_count() ? prompt.typed_data() : nullptr,
+            out->typed_data(), qd[1], qd[2], vd[1], vd[2], vd[3], pd[1],
+            layer.typed_data()[0], scale};
   const int64_t num_tokens = qd[0], num_rows = pd[0];
+  if (prompt.element_count() != 0 && prompt.element_count() != static_cast<size_t>(num_rows))
+    return ffi::Error::InvalidArgument("paged_attention: prompt must have one flag a row");
   if (p.page_size > kMaxPageSize || p.page_size % 4 || p.head_dim % 4 ||
       p.num_heads % p.num_kv_heads || vd[4] != p.head_dim)
     return ffi::Error::InvalidArgument("paged_attention: unsupported shapes");
@@ -755,12 +1075,16 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::An
   jaxserve::RunOnPool(pool, num_items, [p, items = std::move(items)](
                                            std::atomic<int64_t>& next, int64_t total) {
     Scratch scratch(p, p.num_heads / p.num_kv_heads);
-    const ItemFn run = ItemFor(p);
+    const ItemFn run = ItemFor(p), run_prompt = PromptItemFor(p);
     int64_t finished = 0;
     for (int64_t i = next.fetch_add(1); i < total; i = next.fetch_add(1)) {
-      run(p, items[i], scratch);
+      const Item& it = items[i];
+      (run_prompt && p.prompt[it.row] ? run_prompt : run)(p, it, scratch);
       ++finished;
     }
+#ifdef __AVX512F__
+    if (scratch.tile_rows) ReleaseAttentionTiles();
+#endif
     return finished;
   });
   PublishNextLayer(p, num_rows, kd[0], ffi::ByteWidth(k.element_type()));
@@ -782,6 +1106,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxservePagedAttention, PagedAttention,
                                   .Arg<ffi::Buffer<ffi::S32>>()  // cu_q_lens
                                   .Arg<ffi::Buffer<ffi::S32>>()  // kv_lens
                                   .Arg<ffi::Buffer<ffi::S32>>()  // page_table
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // prompt (or empty)
                                   .Arg<ffi::Buffer<ffi::S32>>()  // layer
                                   .Ret<ffi::Buffer<ffi::F32>>()  // out
                                   .Attr<float>("scale"));

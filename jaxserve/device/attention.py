@@ -84,6 +84,9 @@ class AttentionMetadata:
     kv_lens: jax.Array  # i32[num_rows] tokens in each row's cache after this step
     logits_indices: jax.Array  # i32[num_logits] tokens whose logits the model returns
     backend: str = field(default="xla", metadata={"static": True})
+    # i32[num_rows]: 1 where a row's tokens are prompt tokens (the CPU kernel takes those
+    # on AMX, see cpu_paged_attention); None: every row as a generated token's
+    prompt_rows: jax.Array | None = None
 
 
 def paged_attention(
@@ -130,15 +133,21 @@ def _attend(
             kernel = functools.partial(cpu_paged_attention, scale=scale,
                                        k_transposed=kv_cache.k_transposed)
         else:
-            kernel = functools.partial(
+            pallas = functools.partial(
                 ragged_paged_attention, scale=scale,
                 interpret=metadata.backend == "pallas-interpret",
             )
+
+            def kernel(*args, prompt_rows, **scales):  # every token alike there
+                return pallas(*args, **scales)
+        prompt_rows = metadata.prompt_rows
+        if prompt_rows is None:
+            prompt_rows = jnp.zeros((0,), jnp.int32)
         # the whole cache and the layer: slicing the layer out here would copy its pool
         return _head_local(kernel, kv_cache.k.shape[1], kv_cache.k_scale is not None)(
             q, kv_cache.k, kv_cache.v, metadata.cu_q_lens, metadata.kv_lens,
-            metadata.page_table, layer, *(() if kv_cache.k_scale is None else
-                                          (kv_cache.k_scale, kv_cache.v_scale)),
+            metadata.page_table, prompt_rows, layer, *(() if kv_cache.k_scale is None else
+                                                       (kv_cache.k_scale, kv_cache.v_scale)),
         )
     if kv_cache.k_scale is not None:
         scales = {name: x[layer] for name, x in scales.items()}
@@ -160,9 +169,10 @@ def _head_local(kernel: Callable, num_kv_heads: int, scaled: bool = False) -> Ca
     sharding.py), so the pool never moves.
     """
 
-    def call(q, k, v, cu_q_lens, kv_lens, page_table, layer, k_scale=None, v_scale=None):
+    def call(q, k, v, cu_q_lens, kv_lens, page_table, prompt_rows, layer, k_scale=None,
+             v_scale=None):
         return kernel(q, k, v, cu_q_lens, kv_lens, page_table, layer,
-                      k_scale=k_scale, v_scale=v_scale)
+                      k_scale=k_scale, v_scale=v_scale, prompt_rows=prompt_rows)
 
     mesh = jax.sharding.get_abstract_mesh()
     if MODEL not in mesh.axis_names or MODEL in mesh.manual_axes:
@@ -176,7 +186,7 @@ def _head_local(kernel: Callable, num_kv_heads: int, scaled: bool = False) -> Ca
     return jax.shard_map(
         call,
         mesh=mesh,
-        in_specs=(heads, pool, pool, replicated, replicated, replicated, replicated)
+        in_specs=(heads, pool, pool, replicated, replicated, replicated, replicated, replicated)
         + (pool, pool) * scaled,  # the scales: [layers, kv_heads, pages, page_size]
         out_specs=heads,
         axis_names={MODEL},
