@@ -739,8 +739,6 @@ def _smollm2_scenario(directory: Path) -> dict:
 def _pallas_scenario(directory: Path) -> dict:
     """The Pallas backend (interpreted on CPU) on meshes, beside one device's XLA path;
     and the head-local kernel lowered for cuda on a tp=2 mesh."""
-    import functools
-
     import jax
     import jax.numpy as jnp
 
@@ -775,14 +773,13 @@ def _pallas_scenario(directory: Path) -> dict:
     s = jax.ShapeDtypeStruct
     cache = s((3, 8, 65, 16, 128), jnp.bfloat16)  # every layer's pool, as the model passes
 
-    def head_local(q, k, v, *index):
-        kernel = functools.partial(ragged_paged_attention, scale=0.1)
-        return attention._head_local(kernel, k.shape[1])(q, k, v, *index)
+    def head_local(q, k, v, *index):  # index: cu_q_lens, kv_lens, page_table, flags, layer
+        return attention._head_local(attention._pallas(0.1), k.shape[1])(q, k, v, *index)
 
     with jax.set_mesh(make_mesh(2, 1)):
         text = jax.jit(head_local).trace(
             s((40, 32, 128), jnp.float32), cache, cache, s((5,), jnp.int32), s((4,), jnp.int32),
-            s((4, 16), jnp.int32), s((), jnp.int32),
+            s((4, 16), jnp.int32), s((4,), jnp.int32), s((), jnp.int32),
         ).lower(lowering_platforms=("cuda",)).as_text()
     manual = next((line for line in text.splitlines() if "manual_computation" in line), "")
     local_pool = re.search(r"tensor<(\d+x\d+x65x16x128xbf16)>", manual)

@@ -133,13 +133,7 @@ def _attend(
             kernel = functools.partial(cpu_paged_attention, scale=scale,
                                        k_transposed=kv_cache.k_transposed)
         else:
-            pallas = functools.partial(
-                ragged_paged_attention, scale=scale,
-                interpret=metadata.backend == "pallas-interpret",
-            )
-
-            def kernel(*args, prompt_rows, **scales):  # every token alike there
-                return pallas(*args, **scales)
+            kernel = _pallas(scale, interpret=metadata.backend == "pallas-interpret")
         prompt_rows = metadata.prompt_rows
         if prompt_rows is None:
             prompt_rows = jnp.zeros((0,), jnp.int32)
@@ -155,6 +149,16 @@ def _attend(
         q, kv_cache.k[layer], kv_cache.v[layer], metadata.seq_ids, positions,
         metadata.page_table, scale, **scales,
     )
+
+
+def _pallas(scale: float, interpret: bool = False) -> Callable:
+    """`ragged_paged_attention` as `_head_local` calls a kernel: with the prompt flags,
+    which it does without (every token alike there)."""
+
+    def kernel(*args, prompt_rows, **scales):
+        return ragged_paged_attention(*args, scale=scale, interpret=interpret, **scales)
+
+    return kernel
 
 
 def _head_local(kernel: Callable, num_kv_heads: int, scaled: bool = False) -> Callable:
