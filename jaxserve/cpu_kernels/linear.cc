@@ -34,8 +34,6 @@
 // A 256-token prefill took ~15 % less time, a 16-row decode ~4 % (Intel Xeon).
 
 #include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
@@ -47,6 +45,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "amx.h"
 #include "prefetch_job.h"
 #include "work_queue.h"
 #include "xla/ffi/api/ffi.h"
@@ -105,25 +104,9 @@ T* Grown(AlignedVector<T>& buffer, size_t size, bool zero) {
   return buffer.data();
 }
 
-struct TileConfig {
-  uint8_t palette_id = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-// Linux hands out AMX's tile state only to a process that asks for it (once).
-bool RequestAmx() {
-  constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
-  static const bool granted =
-      syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
-  return granted;
-}
-
 // Tiles: 0-3 accumulate; then x's and the weights' tiles (Columns says which is which).
 AMX void ConfigureTiles() {
-  TileConfig config;
+  jaxserve::TileConfig config;
   for (int t = 0; t < 8; ++t) {
     config.rows[t] = kRows;
     config.colsb[t] = 64;
@@ -835,7 +818,7 @@ ffi::Error Linear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<kWe
   if (l < 0 || l >= wd[0]) return ffi::Error::InvalidArgument("packed linear: layer out of range");
   if (passes != 1 && passes != 2 && !(kQ41 && passes == 0))
     return ffi::Error::InvalidArgument("packed linear: passes must be 1 or 2 (or 0, Q4_1 only)");
-  if (isa == Isa::kAmx && !RequestAmx())
+  if (isa == Isa::kAmx && !jaxserve::RequestAmx())
     return ffi::Error::Internal("amx linear: the kernel refused AMX's tile state");
   if (norm.element_count() != 0 && norm.element_count() != static_cast<size_t>(k))
     return ffi::Error::InvalidArgument("packed linear: the norm's weight must have x's inputs");
@@ -998,7 +981,7 @@ ffi::Error SlotLinear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
     return ffi::Error::InvalidArgument("slot linear: passes must be 1 or 2");
   if (rank < 1 || groups < 1 || n_blocks % groups != 0)
     return ffi::Error::InvalidArgument("slot linear: rank and groups must divide the weight");
-  if (isa == Isa::kAmx && !RequestAmx())
+  if (isa == Isa::kAmx && !jaxserve::RequestAmx())
     return ffi::Error::Internal("amx linear: the kernel refused AMX's tile state");
   const int64_t extent = by_inputs ? k : n / groups;  // what the slots split
   const int32_t* slot = slots.typed_data();

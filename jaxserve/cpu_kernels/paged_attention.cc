@@ -26,12 +26,14 @@
 // is converted once however many queries read it, and the scratch stays in L1. q and the
 // output are f32.
 //
+// On a CPU with AMX, the rows that the step flags as a prompt's (`prompt`) and that read
+// bf16 pages of 16 keys take AmxItem instead: q and the softmax weights in two bf16 parts
+// each, by AMX's tile products (see there); generated tokens stay on the loops above.
+//
 // Each call then publishes the pages that the next layer's call will read (prefetch_job.h),
 // for linear.cc's decode loop to fetch while the projections between the two multiply.
 
 #include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <array>
@@ -44,6 +46,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "amx.h"
 #include "prefetch_job.h"
 #include "work_queue.h"
 #include "xla/ffi/api/ffi.h"
@@ -167,6 +170,19 @@ inline int64_t PageAt(const Problem& p, int64_t row, int64_t block) {
 struct Item {
   int64_t row, kv_head, begin, end;  // tokens [begin, end) of `row`
 };
+
+// The positions of an item's tokens (`pos`, one a token) in a row of pages of `page_size`
+// keys; returns the last (-1 for none).
+inline int64_t Positions(const Problem& p, const Item& it, int64_t page_size, int64_t* pos) {
+  const int64_t row_end = p.cu_q_lens[it.row + 1];
+  const int64_t kv_len = std::min<int64_t>(p.kv_lens[it.row], p.max_pages * page_size);
+  int64_t last = -1;
+  for (int64_t i = 0; i < it.end - it.begin; ++i) {
+    pos[i] = kv_len - (row_end - (it.begin + i));
+    last = std::max(last, pos[i]);
+  }
+  return last;
+}
 
 // Per-thread buffers, sized once per call.
 struct Scratch {
@@ -462,13 +478,7 @@ void RunItem(const Problem& p, const Item& it, Scratch& sc) {
   const int64_t group = H / p.num_kv_heads;
   const int64_t tokens = it.end - it.begin;
   const int64_t n = tokens * group;  // query vectors: token-major, then group
-  const int64_t row_end = p.cu_q_lens[it.row + 1];
-  const int64_t kv_len = std::min<int64_t>(p.kv_lens[it.row], p.max_pages * PS);
-  int64_t last_pos = -1;
-  for (int64_t i = 0; i < tokens; ++i) {
-    sc.pos[i] = kv_len - (row_end - (it.begin + i));
-    last_pos = std::max(last_pos, sc.pos[i]);
-  }
+  const int64_t last_pos = Positions(p, it, PS, sc.pos.data());
   float* __restrict q = sc.q.data();
   float* __restrict acc = sc.acc.data();
   float* __restrict s = sc.s.data();  // [n, PS] one page's scores
@@ -669,21 +679,13 @@ void RunItem(const Problem& p, const Item& it, Scratch& sc) {
 // depend on the other queries of its item, its step or its chunking; prompt tokens take
 // this path and generated ones RunItem's, whatever their number, so no token's output
 // depends on how its prompt was split (`prompt`, from the scheduler's chunks).
-struct TileConfig {
-  uint8_t palette_id = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
 #define AMX __attribute__((target("amx-tile,amx-bf16,avx512bf16")))
 
 // Tiles: 0-3 accumulate (scores of 4 blocks of 16 queries, or 4 blocks of 16 of the
 // head's outputs), 4 and 7 the A operands (q's or the weights' hi and lo parts, `rows`
 // queries), 5 and 6 the B operands (K's or V's, 16 rows).
 AMX void ConfigureAttentionTiles(int rows) {
-  TileConfig config;
+  jaxserve::TileConfig config;
   for (int t = 0; t < 8; ++t) {
     config.rows[t] = t == 5 || t == 6 ? 16 : rows;
     config.colsb[t] = 64;
@@ -731,14 +733,6 @@ AMX inline void TileProducts(int64_t t, bool b5) {
 #undef JAXSERVE_PRODUCTS
 }
 
-// Linux hands out AMX's tile state only to a process that asks for it (once).
-bool RequestAmx() {
-  constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
-  static const bool granted =
-      syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
-  return granted;
-}
-
 template <typename T>
 T* LineUp(std::vector<T>& buffer, size_t size) {
   if (buffer.size() < size + 64 / sizeof(T)) buffer.resize(size + 64 / sizeof(T));
@@ -765,13 +759,7 @@ AMX void AmxItem(const Problem& p, const Item& it, Scratch& sc) {
   constexpr int64_t PS = 16, G = kAmxKeys / PS, C = D / 32;  // pages a group; head chunks
   const int64_t H = p.num_heads, group = H / p.num_kv_heads;
   const int64_t tokens = it.end - it.begin, n = tokens * group, blocks = (n + 15) / 16;
-  const int64_t row_end = p.cu_q_lens[it.row + 1];
-  const int64_t kv_len = std::min<int64_t>(p.kv_lens[it.row], p.max_pages * PS);
-  int64_t last_pos = -1;
-  for (int64_t i = 0; i < tokens; ++i) {
-    sc.pos[i] = kv_len - (row_end - (it.begin + i));
-    last_pos = std::max(last_pos, sc.pos[i]);
-  }
+  const int64_t last_pos = Positions(p, it, PS, sc.pos.data());
   // q scaled in f32 (as RunItem scales it), in two parts, as A tiles [blocks, C, 16, 32]
   uint16_t* __restrict q_hi = LineUp(sc.q_hi, blocks * C * 512);
   uint16_t* __restrict q_lo = LineUp(sc.q_lo, blocks * C * 512);
@@ -1001,7 +989,7 @@ ItemFn ItemFor(const Problem& p) {
 ItemFn PromptItemFor(const Problem& p) {
 #ifdef __AVX512F__
   if (p.prompt && p.dtype == ffi::DataType::BF16 && p.page_size == 16 &&
-      (p.head_dim == 64 || p.head_dim == 128) && RequestAmx())
+      (p.head_dim == 64 || p.head_dim == 128) && jaxserve::RequestAmx())
     return p.head_dim == 64 ? AmxItem<64> : AmxItem<128>;
 #endif
   return nullptr;
