@@ -172,7 +172,7 @@ def test_prompt_rows_take_amx_and_stay_f32_close(head_dim):
         prompt = rng.integers(0, 2, len(rows)).astype(np.int32)
         q = rng.standard_normal((NUM_TOKENS, group * num_kv_heads, head_dim), np.float32)
         for layer in range(2):
-            got = np.asarray(run(q, k, v, cu_q_lens, kv_lens, table, layer, prompt_rows=prompt))
+            got = np.asarray(run(q, k, v, cu_q_lens, kv_lens, table, layer, is_prompt=prompt))
             f32 = np.asarray(run(q, k, v, cu_q_lens, kv_lens, table, layer))
             want = reference(q, k_f32[layer], v_f32[layer], cu_q_lens, kv_lens, table, scale)
             np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5, err_msg=str(rows))
@@ -186,11 +186,11 @@ def test_prompt_rows_take_amx_and_stay_f32_close(head_dim):
 
 
 def test_prompt_rows_need_one_flag_a_row():
-    with pytest.raises(ValueError, match="prompt_rows has shape"):
+    with pytest.raises(ValueError, match="is_prompt has shape"):
         cpu_paged_attention(
             jnp.zeros((4, 2, 16)), jnp.zeros((1, 2, 8, 4, 16)), jnp.zeros((1, 2, 8, 4, 16)),
             jnp.zeros((3,), jnp.int32), jnp.zeros((2,), jnp.int32), jnp.zeros((2, 2), jnp.int32),
-            0, scale=1.0, prompt_rows=jnp.zeros((3,), jnp.int32))
+            0, scale=1.0, is_prompt=jnp.zeros((3,), jnp.int32))
 
 
 @pytest.mark.parametrize("storage", QUANTIZED)
@@ -272,7 +272,7 @@ def test_stale_slots_junk_pages_and_padding_do_not_leak(storage, prompt):
 
     def run(q, k, v, table):
         (k, k_scale, _), (v, v_scale, _) = store(k, storage), store(v, storage)
-        flags = {"prompt_rows": np.ones(len(rows), np.int32)} if prompt else {}
+        flags = {"is_prompt": np.ones(len(rows), np.int32)} if prompt else {}
         return np.asarray(cpu_paged_attention(q, k, v, cu_q_lens, kv_lens, table, 0,
                                                scale=0.1, **scales(k_scale, v_scale), **flags))
 
@@ -314,7 +314,7 @@ def test_a_tokens_output_is_the_same_however_its_prompt_is_chunked(storage, head
         """Rows of tokens [start, end) of the prompt, each with the keys up to its end."""
         rows = np.concatenate([q[a:b] for a, b in zip(starts, ends)])
         cu_q_lens = np.concatenate([[0], np.cumsum(np.subtract(ends, starts))]).astype(np.int32)
-        flags = {"prompt_rows": np.ones(len(ends), np.int32)} if prompt else {}
+        flags = {"is_prompt": np.ones(len(ends), np.int32)} if prompt else {}
         return np.asarray(cpu_paged_attention(
             rows, k, v, cu_q_lens, np.array(ends, np.int32), np.repeat(table, len(ends), 0),
             0, scale=head_dim**-0.5, **scales(k_scale, v_scale), **flags))
@@ -373,7 +373,7 @@ def test_the_kernel_itself_refuses_other_dtypes_and_misshapen_scales():
     with pytest.raises(Exception, match=r"k must be v's dtype, shaped \[L, H, P, head_dim"):
         jax.block_until_ready(ffi(q, f32, f32, dummy, dummy, *ints, scale=np.float32(1)))
     flags = (*ints[:3], jnp.zeros((3,), jnp.int32), ints[4])
-    with pytest.raises(Exception, match="prompt must have one flag a row"):
+    with pytest.raises(Exception, match="is_prompt must have one flag a row"):
         jax.block_until_ready(ffi(q, f32.swapaxes(-1, -2), f32, dummy, dummy, *flags,
                                   scale=np.float32(1)))
 

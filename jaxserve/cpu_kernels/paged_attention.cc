@@ -26,7 +26,7 @@
 // is converted once however many queries read it, and the scratch stays in L1. q and the
 // output are f32.
 //
-// On a CPU with AMX, the rows that the step flags as a prompt's (`prompt`) and that read
+// On a CPU with AMX, the rows that the step flags as a prompt's (`is_prompt`) and that read
 // bf16 pages of 16 keys take AmxItem instead: q and the softmax weights in two bf16 parts
 // each, by AMX's tile products (see there); generated tokens stay on the loops above.
 //
@@ -154,7 +154,7 @@ struct Problem {
   const int32_t* cu_q_lens;   // [num_rows + 1]
   const int32_t* kv_lens;     // [num_rows]
   const int32_t* page_table;  // [num_rows, max_pages]
-  const int32_t* prompt;      // [num_rows]: 1 where the row's tokens are prompt tokens; or null
+  const int32_t* is_prompt;   // [num_rows]: 1 where the row's tokens are prompt tokens; or null
   float* out;                 // [num_tokens, num_heads, head_dim]
   int64_t num_heads, head_dim, num_kv_heads, num_pages, page_size, max_pages, layer;
   float scale;
@@ -678,7 +678,7 @@ void RunItem(const Problem& p, const Item& it, Scratch& sc) {
 // Every query is a row of the A tiles with a softmax of its own, so its output does not
 // depend on the other queries of its item, its step or its chunking; prompt tokens take
 // this path and generated ones RunItem's, whatever their number, so no token's output
-// depends on how its prompt was split (`prompt`, from the scheduler's chunks).
+// depends on how its prompt was split (`is_prompt`, from the scheduler's chunks).
 #define AMX __attribute__((target("amx-tile,amx-bf16,avx512bf16")))
 
 // Tiles: 0-3 accumulate (scores of 4 blocks of 16 queries, or 4 blocks of 16 of the
@@ -988,7 +988,7 @@ ItemFn ItemFor(const Problem& p) {
 // keys; else null (every row takes ItemFor's).
 ItemFn PromptItemFor(const Problem& p) {
 #ifdef __AVX512F__
-  if (p.prompt && p.dtype == ffi::DataType::BF16 && p.page_size == 16 &&
+  if (p.is_prompt && p.dtype == ffi::DataType::BF16 && p.page_size == 16 &&
       (p.head_dim == 64 || p.head_dim == 128) && jaxserve::RequestAmx())
     return p.head_dim == 64 ? AmxItem<64> : AmxItem<128>;
 #endif
@@ -1012,7 +1012,7 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::An
                           ffi::AnyBuffer v, ffi::Buffer<ffi::F32> k_scale,
                           ffi::Buffer<ffi::F32> v_scale, ffi::Buffer<ffi::S32> cu_q_lens,
                           ffi::Buffer<ffi::S32> kv_lens, ffi::Buffer<ffi::S32> page_table,
-                          ffi::Buffer<ffi::S32> prompt, ffi::Buffer<ffi::S32> layer,
+                          ffi::Buffer<ffi::S32> is_prompt, ffi::Buffer<ffi::S32> layer,
                           ffi::ResultBuffer<ffi::F32> out, float scale) {
   // vd: [layers, kv_heads, pages, page_size, head_dim]; K has the last two swapped
   const auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions(),
@@ -1037,12 +1037,13 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::An
     return ffi::Error::InvalidArgument("paged_attention: s8 k/v need scales shaped [L, H, P, S]");
   Problem p{q.typed_data(), k.untyped_data(), v.untyped_data(), k_scale.typed_data(),
             v_scale.typed_data(), dtype, cu_q_lens.typed_data(), kv_lens.typed_data(),
-            page_table.typed_data(), prompt.element_count() ? prompt.typed_data() : nullptr,
+            page_table.typed_data(), is_prompt.element_count() ? is_prompt.typed_data() : nullptr,
             out->typed_data(), qd[1], qd[2], vd[1], vd[2], vd[3], pd[1],
             layer.typed_data()[0], scale};
   const int64_t num_tokens = qd[0], num_rows = pd[0];
-  if (prompt.element_count() != 0 && prompt.element_count() != static_cast<size_t>(num_rows))
-    return ffi::Error::InvalidArgument("paged_attention: prompt must have one flag a row");
+  if (is_prompt.element_count() != 0 &&
+      is_prompt.element_count() != static_cast<size_t>(num_rows))
+    return ffi::Error::InvalidArgument("paged_attention: is_prompt must have one flag a row");
   if (p.page_size > kMaxPageSize || p.page_size % 4 || p.head_dim % 4 ||
       p.num_heads % p.num_kv_heads || vd[4] != p.head_dim)
     return ffi::Error::InvalidArgument("paged_attention: unsupported shapes");
@@ -1067,7 +1068,7 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::An
     int64_t finished = 0;
     for (int64_t i = next.fetch_add(1); i < total; i = next.fetch_add(1)) {
       const Item& it = items[i];
-      (run_prompt && p.prompt[it.row] ? run_prompt : run)(p, it, scratch);
+      (run_prompt && p.is_prompt[it.row] ? run_prompt : run)(p, it, scratch);
       ++finished;
     }
 #ifdef __AVX512F__
@@ -1094,7 +1095,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxservePagedAttention, PagedAttention,
                                   .Arg<ffi::Buffer<ffi::S32>>()  // cu_q_lens
                                   .Arg<ffi::Buffer<ffi::S32>>()  // kv_lens
                                   .Arg<ffi::Buffer<ffi::S32>>()  // page_table
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // prompt (or empty)
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // is_prompt (or empty)
                                   .Arg<ffi::Buffer<ffi::S32>>()  // layer
                                   .Ret<ffi::Buffer<ffi::F32>>()  // out
                                   .Attr<float>("scale"));

@@ -80,11 +80,11 @@ def cpu_paged_attention(
     k_scale: jax.Array | None = None,  # int8 pools only: f32, the pool's shape less head_dim
     v_scale: jax.Array | None = None,
     k_transposed: bool = False,  # k_pages' pages are [head_dim, page_size]
-    prompt_rows: jax.Array | None = None,  # i32[num_rows]: 1 where a row's tokens are a prompt's
+    is_prompt: jax.Array | None = None,  # i32[num_rows]: 1 where a row's tokens are a prompt's
 ) -> jax.Array:  # f32[num_tokens, num_heads, head_dim]; zeros for padding tokens
     """Causal attention of a flat batch of prefill chunks and decodes over paged K/V.
 
-    With `prompt_rows`, on a CPU with AMX and bf16 pages of 16 keys, a prompt's tokens
+    With `is_prompt`, on a CPU with AMX and bf16 pages of 16 keys, a prompt's tokens
     multiply on AMX (q and the softmax weights each as two bf16 parts: f32-close, not the
     f32 loop's bits), a generated token's in f32 as without it: a token's output depends
     on neither its step's other rows nor how its prompt was chunked."""
@@ -118,10 +118,10 @@ def cpu_paged_attention(
     why = f"kv_lens has shape {kv_lens.shape}"
     paged.check_index("cu_q_lens", cu_q_lens, (num_rows + 1,), why)
     paged.check_index("page_table", page_table, (num_rows, None), why)
-    if prompt_rows is None:
-        prompt_rows = jnp.zeros((0,), jnp.int32)
-    elif prompt_rows.shape != (0,):  # empty: none, as None
-        paged.check_index("prompt_rows", prompt_rows, (num_rows,), why)
+    if is_prompt is None:
+        is_prompt = jnp.zeros((0,), jnp.int32)
+    elif is_prompt.shape != (0,):  # empty: none, as None
+        paged.check_index("is_prompt", is_prompt, (num_rows,), why)
     if not available():
         raise RuntimeError("the C++ CPU attention kernel could not be built (see the log)")
     call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(q.shape, q.dtype))
@@ -129,6 +129,6 @@ def cpu_paged_attention(
         q, k_pages, v_pages, k_scale, v_scale,
         jnp.clip(cu_q_lens, 0, num_tokens).astype(jnp.int32),
         jnp.clip(kv_lens, 0, page_table.shape[1] * page_size).astype(jnp.int32),
-        page_table.astype(jnp.int32), prompt_rows.astype(jnp.int32), layer,
+        page_table.astype(jnp.int32), is_prompt.astype(jnp.int32), layer,
         scale=np.float32(scale),
     )

@@ -84,9 +84,9 @@ class AttentionMetadata:
     kv_lens: jax.Array  # i32[num_rows] tokens in each row's cache after this step
     logits_indices: jax.Array  # i32[num_logits] tokens whose logits the model returns
     backend: str = field(default="xla", metadata={"static": True})
-    # i32[num_rows]: 1 where a row's tokens are prompt tokens (the CPU kernel takes those
-    # on AMX, see cpu_paged_attention); None: every row as a generated token's
-    prompt_rows: jax.Array | None = None
+    # i32[num_rows]: 1 where a row's tokens are prompt tokens (Chunk.is_prompt; the CPU
+    # kernel takes those on AMX, see cpu_paged_attention); None: every row as generated
+    is_prompt: jax.Array | None = None
 
 
 def paged_attention(
@@ -134,14 +134,15 @@ def _attend(
                                        k_transposed=kv_cache.k_transposed)
         else:
             kernel = _pallas(scale, interpret=metadata.backend == "pallas-interpret")
-        prompt_rows = metadata.prompt_rows
-        if prompt_rows is None:
-            prompt_rows = jnp.zeros((0,), jnp.int32)
+        # shard_map takes arrays only: no flags as an empty one (cpu_paged_attention's none)
+        is_prompt = metadata.is_prompt
+        if is_prompt is None:
+            is_prompt = jnp.zeros((0,), jnp.int32)
         # the whole cache and the layer: slicing the layer out here would copy its pool
         return _head_local(kernel, kv_cache.k.shape[1], kv_cache.k_scale is not None)(
             q, kv_cache.k, kv_cache.v, metadata.cu_q_lens, metadata.kv_lens,
-            metadata.page_table, prompt_rows, layer, *(() if kv_cache.k_scale is None else
-                                                       (kv_cache.k_scale, kv_cache.v_scale)),
+            metadata.page_table, is_prompt, layer, *(() if kv_cache.k_scale is None else
+                                                     (kv_cache.k_scale, kv_cache.v_scale)),
         )
     if kv_cache.k_scale is not None:
         scales = {name: x[layer] for name, x in scales.items()}
@@ -152,10 +153,10 @@ def _attend(
 
 
 def _pallas(scale: float, interpret: bool = False) -> Callable:
-    """`ragged_paged_attention` as `_head_local` calls a kernel: with the prompt flags,
-    which it does without (every token alike there)."""
+    """`ragged_paged_attention` in the form `_head_local` calls a kernel, which passes the
+    rows' `is_prompt` flags: the Pallas kernel takes every token alike, so it drops them."""
 
-    def kernel(*args, prompt_rows, **scales):
+    def kernel(*args, is_prompt, **scales):
         return ragged_paged_attention(*args, scale=scale, interpret=interpret, **scales)
 
     return kernel
@@ -173,10 +174,10 @@ def _head_local(kernel: Callable, num_kv_heads: int, scaled: bool = False) -> Ca
     sharding.py), so the pool never moves.
     """
 
-    def call(q, k, v, cu_q_lens, kv_lens, page_table, prompt_rows, layer, k_scale=None,
+    def call(q, k, v, cu_q_lens, kv_lens, page_table, is_prompt, layer, k_scale=None,
              v_scale=None):
         return kernel(q, k, v, cu_q_lens, kv_lens, page_table, layer,
-                      k_scale=k_scale, v_scale=v_scale, prompt_rows=prompt_rows)
+                      k_scale=k_scale, v_scale=v_scale, is_prompt=is_prompt)
 
     mesh = jax.sharding.get_abstract_mesh()
     if MODEL not in mesh.axis_names or MODEL in mesh.manual_axes:

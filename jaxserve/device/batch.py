@@ -77,8 +77,8 @@ def pack_step(
     kv_lens[:n] = ends
     logits_indices = np.zeros(num_rows, np.int32)
     logits_indices[:n] = offsets + lens - 1
-    prompt_flags = np.zeros(num_rows + 1, np.int32)  # the attention's (kv_lens' rows)
-    prompt_flags[:n] = np.fromiter((c.is_prompt for c in chunks), np.int32, n)
+    is_prompt = np.zeros(num_rows + 1, np.int32)  # the attention's (kv_lens' rows)
+    is_prompt[:n] = np.fromiter((c.is_prompt for c in chunks), np.int32, n)
     prompt_rows = np.full(num_tokens, spare_row, np.int32)
     adapters = np.zeros(num_tokens, np.int32)
     for chunk, offset, length in zip(chunks, offsets.tolist(), lens.tolist()):
@@ -118,6 +118,6 @@ def pack_step(
     )
     metadata = AttentionMetadata(
         seq_ids, slot_mapping, page_table, cu_q_lens, kv_lens, logits_indices, attention_backend,
-        prompt_flags,
+        is_prompt,
     )
     return StepInputs(token_ids, positions, metadata, sampling, adapters)
