@@ -114,14 +114,19 @@ AMX void ConfigureTiles() {
   _tile_loadconfig(&config);
 }
 
-// XLA:CPU's rsqrt of v, bit for bit: the hardware estimate (rsqrtss) refined by two
-// Newton steps whose multiply-adds are fused, for a positive normal v (or a NaN); the bare
-// estimate otherwise (its emitter's choice, read from the assembly it writes).
+// XLA:CPU's rsqrt of v, bit for bit: the hardware estimate (rsqrtss) refined by Newton
+// steps whose multiply-adds are fused, for a positive normal v (or a NaN); the bare
+// estimate otherwise (its emitter's choice, read from the assembly it writes). Two steps
+// on Intel, one on AMD, whose SSE estimate is more accurate: XLA tells the two apart by
+// SSE4a, which only AMD's CPUs have (xla/codegen/math/rsqrt.cc; with two steps on a Zen
+// 4, a fifth of the rows' factors were an ulp off XLA's).
 inline float XlaRsqrt(float v) {
+  static const int steps = __builtin_cpu_supports("sse4a") ? 1 : 2;
   const float estimate = _mm_cvtss_f32(_mm_rsqrt_ss(_mm_set_ss(v)));
   if (!std::isnan(v) && !(std::isnormal(v) && v > 0)) return estimate;
   float y = estimate;
-  for (int step = 0; step < 2; ++step) y = std::fma(y * -0.5f, std::fma(v * y, y, -1.0f), y);
+  for (int step = 0; step < steps; ++step)
+    y = std::fma(y * -0.5f, std::fma(v * y, y, -1.0f), y);
   return y;
 }
 
