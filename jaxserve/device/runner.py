@@ -241,15 +241,19 @@ class ModelRunner:
         against its `score_targets`. Other data shards score nothing (padding) meanwhile."""
         n = len(chunk.token_ids)
         num_tokens, _ = self.buckets.choose(n, 1)
-        packs = [self._score_pack([chunk] if s == chunk.shard else [], num_tokens)
-                 for s in range(self.num_shards)]
-        packs[chunk.shard][3][:n] = chunk.score_targets
-        inputs = _concatenate(packs)
+        inputs = self._score_inputs(chunk, num_tokens)
         if self.channel is not None:
             self.channel.send(SCORE, (num_tokens, 1), inputs)
         results = self.dispatch_score(inputs, num_tokens)
         rows = np.asarray(jax.device_get(results)).reshape(self.num_shards, num_tokens, -1)
         return StepOutput.unpack(rows[chunk.shard, :n])
+
+    def _score_inputs(self, chunk: Chunk, num_tokens: int) -> tuple:
+        """`score`'s inputs for `chunk`, on its shard (the others pad)."""
+        packs = [self._score_pack([chunk] if s == chunk.shard else [], num_tokens)
+                 for s in range(self.num_shards)]
+        packs[chunk.shard][3][: len(chunk.token_ids)] = chunk.score_targets
+        return _concatenate(packs)
 
     def _score_pack(self, chunks: list[Chunk], num_tokens: int) -> tuple:
         """One shard's `score` inputs: tokens, positions, metadata and zero targets."""
@@ -266,16 +270,13 @@ class ModelRunner:
         return _concatenate([self._score_pack([], num_tokens)] * self.num_shards)
 
     def dispatch_score(self, inputs: tuple, num_tokens: int) -> jax.Array:
-        args = (self._weights, self.kv_cache, *self._global(inputs), self.adapter_slots)
+        args = self._score_args(self._global(inputs))
         results, self.kv_cache = self._executable("score", self._score, (num_tokens, 1), args)(
             *args)
         return results
 
-    def _score_args(self, chunk: Chunk, num_tokens: int) -> tuple:
-        """`score`'s arguments for `chunk` alone (the warm-up's, to load its executable)."""
-        packs = [self._score_pack([chunk] if s == chunk.shard else [], num_tokens)
-                 for s in range(self.num_shards)]
-        return (self._weights, self.kv_cache, *_concatenate(packs), self.adapter_slots)
+    def _score_args(self, inputs: tuple) -> tuple:
+        return (self._weights, self.kv_cache, *inputs, self.adapter_slots)
 
     def pack(self, plan: StepPlan) -> StepInputs:
         """The host inputs `execute` would dispatch for `plan` (benchmarks time the device
@@ -337,13 +338,12 @@ class ModelRunner:
     def _step_args(self, inputs: StepInputs) -> tuple:
         return (self._weights, self.kv_cache, self.row_state, inputs, self.adapter_slots)
 
-    def _loaded(self, name: str, shape: tuple[int, int], args: tuple) -> bool:
+    def _loaded(self, name: str, fn: Callable, shape: tuple[int, int], args: tuple) -> bool:
         """Whether `name`'s executable for `shape` is now held, read from the store rather
         than compiled (one process only: see `warmup`)."""
         if self.executable_store is None or jax.process_count() > 1:
             return False
         before = self.executable_store.loaded
-        fn = self._score if name == "score" else self._step
         self._executable(name, fn, shape, args)
         return self.executable_store.loaded > before
 
@@ -421,7 +421,8 @@ class ModelRunner:
             targets = (0,) * num_tokens
             pages = [NULL_PAGE] * self.max_pages
             chunk = Chunk(targets, offset, pages, score_targets=targets)
-            if not self._loaded("score", (num_tokens, 1), self._score_args(chunk, num_tokens)):
+            inputs = self._score_inputs(chunk, num_tokens)
+            if not self._loaded("score", self._score, (num_tokens, 1), self._score_args(inputs)):
                 self._score_chunk(chunk)
             report("score", (num_tokens, 1), time.perf_counter() - start)
         for num_tokens, num_rows in buckets:
@@ -433,9 +434,9 @@ class ModelRunner:
             ]
             start = time.perf_counter()
             untimed = timed is not None and (num_tokens, num_rows) not in timed
-            inputs = self._pack(dummy, (num_tokens, num_rows))[0]
-            if not (untimed and self._loaded("step", (num_tokens, num_rows),
-                                             self._step_args(inputs))):
+            if not (untimed and self._loaded(
+                    "step", self._step, (num_tokens, num_rows),
+                    self._step_args(self._pack(dummy, (num_tokens, num_rows))[0]))):
                 self._run(dummy, (num_tokens, num_rows))  # compile
             report("step", (num_tokens, num_rows), time.perf_counter() - start)
             if untimed:
