@@ -2,11 +2,13 @@
 `smollm` pre-tokenizer rules where the two differ (numerals after whitespace; see SMOLLM_ONLY)."""
 
 import json
+import random
 from pathlib import Path
 
 import jinja2
 import pytest
 import regex
+import tokenizers
 import transformers
 
 from jaxserve.checkpoint.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -344,10 +346,56 @@ def test_incremental_detokenizer_flushes_an_unfinished_character(tok: Tokenizer)
     ids = tok.encode("ok 😀")[:-1]  # the stream stops inside the emoji
     detok = IncrementalDetokenizer(tok)
     pieces = [detok.add(i) for i in ids]
-    assert pieces[-1] == ""
+    assert "".join(pieces) == "ok "  # the emoji's first bytes are held back
     tail = detok.flush()
-    assert tail.endswith("\ufffd")
+    assert tail == "\ufffd"
     assert "".join(pieces) + tail == detok.text == tok.decode(ids)
+
+
+def test_token_bytes_decode_as_the_tokenizer_does(tok: Tokenizer) -> None:
+    keep, skip = tok.token_bytes(skip_special_tokens=False), tok.token_bytes()
+    assert keep is not None and skip is not None and len(keep) == tok.vocab_size
+    for i, piece in enumerate(keep):
+        assert piece.decode("utf-8", "replace") == tok.decode([i], skip_special_tokens=False), i
+        assert skip[i].decode("utf-8", "replace") == tok.decode([i]), i
+    assert skip[tok.eos_token_id] == b"" and keep[tok.eos_token_id] == b"<|im_end|>"
+    # an added token holding a character outside GPT-2's byte map is its own UTF-8
+    tiny = Tokenizer.from_gguf_fields(
+        tiny_fields(**{"tokenizer.ggml.tokens": ["<s>", "</s>", "<eot>", "a", "b", "ab", "Ġ", "1",
+                                                  "<t é>"]})
+    )
+    assert tiny.token_bytes()[8] == "<t é>".encode() and tiny.decode([8]) == "<t é>"
+
+
+def test_incremental_detokenizer_streams_any_ids_as_decode_joins_them(tok: Tokenizer) -> None:
+    """Random id streams, heavy in tokens that are part of a character (lone UTF-8 lead and
+    continuation bytes, which decode turns into U+FFFD) and in special tokens."""
+    table = tok.token_bytes(skip_special_tokens=False)
+    partial = [i for i, b in enumerate(table) if "\ufffd" in b.decode("utf-8", "replace")]
+    special = [tok.eos_token_id, tok.bos_token_id, 0]
+    assert len(partial) > 100
+    rng = random.Random(0)
+    for _ in range(300):
+        ids = [rng.choice((partial, special, range(tok.vocab_size), partial)) for _ in range(12)]
+        ids = [rng.choice(pool) for pool in ids]
+        for skip in (True, False):
+            detok = IncrementalDetokenizer(tok, skip_special_tokens=skip)
+            pieces = [detok.add(i) for i in ids] + [detok.flush()]
+            assert "".join(pieces) == detok.text == tok.decode(ids, skip), ids
+
+
+def test_incremental_detokenizer_keeps_a_sentencepiece_space(tmp_path: Path) -> None:
+    """A decoder that strips the first token's leading space (SentencePiece's Metaspace) takes
+    the windowed path, seeded with the prompt's last ids."""
+    vocab = {"<unk>": 0, "▁Hello": 1, "▁world": 2, "!": 3}
+    backend = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<unk>"))
+    backend.decoder = tokenizers.decoders.Metaspace()
+    sp = Tokenizer(backend)
+    assert sp.token_bytes() is None
+    assert sp.decode([2, 3]) == "world!"
+    seeded = IncrementalDetokenizer(sp, prompt_ids=[1])
+    assert [seeded.add(i) for i in (2, 3)] + [seeded.flush()] == [" world", "!", ""]
+    assert IncrementalDetokenizer(sp).add(2) == "world"
 
 
 def test_save_and_from_dir_round_trip(tok: Tokenizer, tmp_path: Path) -> None:
