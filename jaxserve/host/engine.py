@@ -107,6 +107,7 @@ class Engine:
         self.runner = runner
         self.scheduler = scheduler
         self.tokenizer = tokenizer
+        tokenizer.token_bytes()  # the detokenizers' table, built now, not in a step (~50 ms)
         self.eos_token_ids = eos_token_ids
         self.stream_capacity = stream_capacity
         self.on_step = on_step
