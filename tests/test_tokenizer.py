@@ -384,7 +384,7 @@ def test_incremental_detokenizer_streams_any_ids_as_decode_joins_them(tok: Token
             assert "".join(pieces) == detok.text == tok.decode(ids, skip), ids
 
 
-def test_incremental_detokenizer_keeps_a_sentencepiece_space(tmp_path: Path) -> None:
+def test_incremental_detokenizer_keeps_a_sentencepiece_space() -> None:
     """A decoder that strips the first token's leading space (SentencePiece's Metaspace) takes
     the windowed path, seeded with the prompt's last ids."""
     vocab = {"<unk>": 0, "▁Hello": 1, "▁world": 2, "!": 3}

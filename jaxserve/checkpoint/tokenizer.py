@@ -241,14 +241,14 @@ class Tokenizer:
 
         `decode(ids)` is then these bytes concatenated and decoded with U+FFFD for bad UTF-8,
         which lets a stream decode each new id's bytes alone (`IncrementalDetokenizer`).
-        Built once a flag (~20 ms for 49k ids), from the ByteLevel decoder's own rule: a token
+        Built once a flag (~50 ms for 49k ids), from the ByteLevel decoder's own rule: a token
         whose characters all stand for bytes is those bytes, any other (an added token
         holding a space) is its own UTF-8.
         """
         if skip_special_tokens not in self._token_bytes:
             table = None
             if isinstance(self._backend.decoder, decoders.ByteLevel):
-                byte_of = {c: b for b, c in _byte_level_chars().items()}
+                byte_of = _byte_level_bytes()
                 table = [b""] * self.vocab_size
                 for token, token_id in self._backend.get_vocab(with_added_tokens=True).items():
                     try:
@@ -408,14 +408,14 @@ def _gguf_pre_tokenizer(name: str) -> pre_tokenizers.PreTokenizer:
     raise ValueError(f"GGUF pre-tokenizer {name!r} is not supported; supported: {supported}")
 
 
-def _byte_level_chars() -> dict[int, str]:
-    """GPT-2's byte → character map, which byte-level BPE vocabularies are written in:
+def _byte_level_bytes() -> dict[str, int]:
+    """The byte each character of a byte-level BPE vocabulary stands for (GPT-2's map):
     printable Latin-1 bytes stand for themselves, the rest for characters from U+0100 on."""
     printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
-    chars = {b: chr(b) for b in printable}
-    for n, b in enumerate(b for b in range(256) if b not in chars):
-        chars[b] = chr(256 + n)
-    return chars
+    byte_of = {chr(b): b for b in printable}
+    for n, b in enumerate(b for b in range(256) if b not in printable):
+        byte_of[chr(256 + n)] = b
+    return byte_of
 
 
 def _bos_eos_processor(
