@@ -376,8 +376,8 @@ def test_incremental_detokenizer_streams_any_ids_as_decode_joins_them(tok: Token
     assert len(partial) > 100
     rng = random.Random(0)
     for _ in range(300):
-        ids = [rng.choice((partial, special, range(tok.vocab_size), partial)) for _ in range(12)]
-        ids = [rng.choice(pool) for pool in ids]
+        pools = [rng.choice((partial, special, range(tok.vocab_size), partial)) for _ in range(12)]
+        ids = [rng.choice(pool) for pool in pools]
         for skip in (True, False):
             detok = IncrementalDetokenizer(tok, skip_special_tokens=skip)
             pieces = [detok.add(i) for i in ids] + [detok.flush()]

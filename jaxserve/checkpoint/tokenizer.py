@@ -352,7 +352,9 @@ class IncrementalDetokenizer:
         self._token_bytes = tokenizer.token_bytes(skip_special_tokens)
         # bad bytes become U+FFFD, as in Rust's from_utf8_lossy that `decode` applies
         self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")
-        self._window_ids = list(prompt_ids or [])[-self._PROMPT_CONTEXT :]
+        # the window (other decoders only)
+        context = () if self._token_bytes is not None else prompt_ids or ()
+        self._window_ids = list(context[-self._PROMPT_CONTEXT :])
         self._read_offset = len(self._window_ids)  # window ids before this are emitted
         self._pieces: list[str] = []  # not one growing str, which each append would copy
 

@@ -30,7 +30,7 @@ class OutputText:
     _released: list[str] = field(init=False, default_factory=list)
 
     def __post_init__(self) -> None:
-        self._detok = IncrementalDetokenizer(self.tokenizer, list(self.prompt_ids))
+        self._detok = IncrementalDetokenizer(self.tokenizer, self.prompt_ids)
 
     @property
     def text(self) -> str:
