@@ -3,6 +3,7 @@
 import argparse
 import dataclasses
 import gc
+import json
 import os
 import re
 import sys
@@ -247,6 +248,13 @@ def _engine_flags(parser: argparse.ArgumentParser) -> None:
         help="plan each step while the one before computes (default: on)",
     )
     group.add_argument(
+        "--speculative-config", type=_speculative_config, default={}, metavar="JSON",
+        help='speculative decoding, as vLLM takes it: {"method": "ngram", '
+        '"num_speculative_tokens": 3, "prompt_lookup_max": 4, "prompt_lookup_min": 2} drafts '
+        "up to 3 tokens a step for greedy requests from their own earlier tokens (the same "
+        "tokens, fewer steps where text repeats); turns off async scheduling",
+    )
+    group.add_argument(
         "--reserved-rows", type=int, default=None,
         help="batch rows no tenant may take while another is active (default max-batch/8)",
     )
@@ -286,6 +294,30 @@ def _byte_size(spec: str) -> int:
     return int(float(match[1]) * BYTE_UNITS[match[2] or ""])
 
 
+SPECULATIVE_KEYS = {"num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"}
+
+
+def _speculative_config(spec: str) -> dict[str, int]:
+    """EngineConfig's speculative fields from vLLM's --speculative-config JSON (the
+    "ngram" method: prompt lookup; its other keys are refused, not ignored)."""
+    try:
+        config = json.loads(spec)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(f"not JSON: {err}") from None
+    if not isinstance(config, dict) or config.get("method") != "ngram":
+        raise argparse.ArgumentTypeError(
+            'expected {"method": "ngram", "num_speculative_tokens": N, ...}: prompt lookup '
+            "is the method served")
+    unknown = config.keys() - SPECULATIVE_KEYS - {"method"}
+    if unknown or "num_speculative_tokens" not in config:
+        raise argparse.ArgumentTypeError(
+            f"the ngram method takes {', '.join(sorted(SPECULATIVE_KEYS))}"
+            f" (num_speculative_tokens required); got {', '.join(sorted(config))}")
+    if not all(isinstance(config[k], int) and config[k] >= 1 for k in config.keys() - {"method"}):
+        raise argparse.ArgumentTypeError("its sizes must be positive integers")
+    return {k: v for k, v in config.items() if k != "method"}
+
+
 def _bucket_table(spec: str) -> BucketTable:
     try:
         return BucketTable.parse(spec)
@@ -323,6 +355,7 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
         enable_lora=getattr(args, "enable_runtime_lora", False),
         max_loras=args.max_loras,
         max_lora_rank=args.max_lora_rank,
+        **args.speculative_config,
     )
 
 

@@ -191,6 +191,12 @@ class EngineConfig:
     enable_lora: bool = False
     max_loras: int = 4  # device slots for adapters; more wait in host memory
     max_lora_rank: int = 16  # the highest rank an adapter may have (slots are this wide)
+    # speculative decoding by prompt lookup (vLLM's "ngram" method, host/ngram.py): up to
+    # this many draft tokens a step for each greedy request; 0: off. It plans each step
+    # after the one before (no async scheduling: a step's drafts follow its tokens).
+    num_speculative_tokens: int = 0
+    prompt_lookup_min: int = 2  # the shortest run of a request's last tokens looked up
+    prompt_lookup_max: int = 4  # the longest
 
     @property
     def serves_adapters(self) -> bool:
@@ -215,6 +221,12 @@ class EngineConfig:
             raise ValueError(
                 f"need 1 <= max_batch ({self.max_batch}) <= token_budget ({self.token_budget})"
             )
+        if self.num_speculative_tokens < 0 or not (
+                1 <= self.prompt_lookup_min <= self.prompt_lookup_max):
+            raise ValueError(
+                f"need num_speculative_tokens >= 0 ({self.num_speculative_tokens}) and 1 <= "
+                f"prompt_lookup_min ({self.prompt_lookup_min}) <= prompt_lookup_max "
+                f"({self.prompt_lookup_max})")
         if self.buckets is not None:
             BucketTable(*self.buckets).covers(self.max_batch, self.token_budget)
         if self.dtype not in DTYPES:

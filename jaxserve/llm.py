@@ -24,6 +24,7 @@ from jaxserve.device.sharding import make_mesh
 from jaxserve.host.adapters import AdapterRegistry, SlotTable
 from jaxserve.host.buckets import BucketTable
 from jaxserve.host.engine import Engine
+from jaxserve.host.ngram import NgramProposer
 from jaxserve.host.page_allocator import PageAllocator
 from jaxserve.host.request import check_prompt_ids
 from jaxserve.host.scheduler import Scheduler
@@ -161,6 +162,7 @@ class LLM:
             self.kv_dtype,
             (cfg.max_loras, cfg.max_lora_rank) if cfg.serves_adapters else None,
             executable_dir,
+            cfg.num_speculative_tokens,
         )
         # LoRA adapters, read before the warm-up so that a bad one fails the start at once
         self.adapters = None
@@ -195,11 +197,16 @@ class LLM:
             cfg.prefix_caching,
             max(1, max_batch // 8) if cfg.reserved_rows is None else cfg.reserved_rows,
             SlotTable(cfg.max_loras) if cfg.serves_adapters else None,
+            cfg.num_speculative_tokens,
         )
         eos = self.config.eos_token_ids or self.tokenizer.eos_token_ids
+        # a step's drafts follow its tokens, so speculation plans each step after the last
+        proposer = NgramProposer(cfg.num_speculative_tokens, cfg.prompt_lookup_min,
+                                 cfg.prompt_lookup_max) if cfg.num_speculative_tokens else None
         self.engine = Engine(
             self.runner, self.scheduler, self.tokenizer, eos, cfg.stream_capacity,
-            debug_checks=cfg.debug_checks, async_scheduling=cfg.async_scheduling,
+            debug_checks=cfg.debug_checks, proposer=proposer,
+            async_scheduling=cfg.async_scheduling and proposer is None,
         )
 
     @property

@@ -61,6 +61,8 @@ class EngineStats:
     adapters_loaded: int = 0  # LoRA adapters served (in host memory)
     adapter_slots_used: int = 0  # device slots holding one
     adapter_swaps: int = 0  # adapters written into a device slot
+    spec_decode_draft_tokens: int = 0  # draft tokens verified (speculative decoding)
+    spec_decode_accepted_tokens: int = 0  # of which accepted
 
 
 class EngineClient:
@@ -224,6 +226,8 @@ class EngineClient:
             0 if self._llm.adapters is None else len(self._llm.adapters.adapters),
             0 if s.adapter_slots is None else len(s.adapter_slots.holder),
             0 if s.adapter_slots is None else s.adapter_slots.swaps,
+            self._engine.num_draft_tokens,
+            self._engine.num_accepted_tokens,
         )
 
     # ---------------------------------------------------------------- thread

@@ -203,6 +203,16 @@ class _EngineCounters:
                 "LoRA adapters written into a device slot (the first load of each counts)",
                 s.adapter_swaps,
             ),
+            (
+                "jaxserve:spec_decode_num_draft_tokens",
+                "Draft tokens the steps verified (--speculative-config)",
+                s.spec_decode_draft_tokens,
+            ),
+            (
+                "jaxserve:spec_decode_num_accepted_tokens",
+                "Draft tokens the model accepted: each saved a step of its request",
+                s.spec_decode_accepted_tokens,
+            ),
         ):
             yield CounterMetricFamily(name, doc, value=value)
         finished = CounterMetricFamily(

@@ -97,6 +97,7 @@ def make_engine(
         token_budget,
         prefix_caching,
         reserved_rows,
+        num_speculative_tokens=0 if proposer is None else proposer.k,
     )
     engine = Engine(
         runner, scheduler, word_tokenizer(), (EOS,), stream_capacity, debug_checks=True,

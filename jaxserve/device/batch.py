@@ -26,8 +26,11 @@ def pack_step(
     max_pages: int,
     spare_row: int,
     attention_backend: str = "xla",
+    num_draft_logits: int = 0,
 ) -> StepInputs:
-    """Host arrays for one step, padded to (num_tokens, num_rows); logits at each chunk's end.
+    """Host arrays for one step, padded to (num_tokens, num_rows); logits at each chunk's
+    end, or, for a chunk with drafts, at its last real token, and then at each draft in
+    `num_draft_logits` more rows (buckets.draft_logits), the chunks' drafts in order.
 
     `spare_row` is the penalty row that padding rows (and chunks without a row) use.
     """
@@ -75,8 +78,16 @@ def pack_step(
     cu_q_lens[: n + 1] = np.concatenate([[0], np.cumsum(lens)])
     kv_lens = np.zeros(num_rows + 1, np.int32)
     kv_lens[:n] = ends
-    logits_indices = np.zeros(num_rows, np.int32)
-    logits_indices[:n] = offsets + lens - 1
+    drafts = np.fromiter((c.num_speculative for c in chunks), np.int32, n)
+    num_drafts = int(drafts.sum())
+    if num_drafts > num_draft_logits:
+        raise ValueError(f"{num_drafts} draft tokens exceed the step's {num_draft_logits} "
+                         "draft logits")
+    logits_indices = np.zeros(num_rows + num_draft_logits, np.int32)
+    logits_indices[:n] = offsets + lens - 1 - drafts
+    if num_drafts:  # each draft's own token, in the chunks' order
+        first = np.repeat(offsets + lens - drafts - (np.cumsum(drafts) - drafts), drafts)
+        logits_indices[num_rows : num_rows + num_drafts] = first + np.arange(num_drafts)
     is_prompt = np.zeros(num_rows + 1, np.int32)  # the attention's (kv_lens' rows)
     is_prompt[:n] = np.fromiter((c.is_prompt for c in chunks), np.int32, n)
     prompt_rows = np.full(num_tokens, spare_row, np.int32)

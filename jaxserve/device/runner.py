@@ -46,7 +46,7 @@ from jaxserve.device.multihost import SCORE, STEP, StepChannel, is_leader
 from jaxserve.device.sampling import init_row_state
 from jaxserve.device.sharding import DATA, Layout
 from jaxserve.device.step import StepInputs, jit_score, jit_step
-from jaxserve.host.buckets import BucketTable
+from jaxserve.host.buckets import BucketTable, draft_logits
 from jaxserve.host.page_allocator import NULL_PAGE
 from jaxserve.host.plan import Chunk, StepPlan
 from jaxserve.host.results import RESULT_WIDTH, PendingStep, StepOutput
@@ -129,12 +129,16 @@ class ModelRunner:
         kv_dtype: str | None = None,
         adapter_slots: tuple[int, int] | None = None,
         executable_dir: str | Path | None = None,
+        num_speculative_tokens: int = 0,
     ):
         """`kv_dtype` is how pages store K and V (a kv_cache.KV_STORAGE name); None: in
         `dtype`. `adapter_slots`: (slots, max rank) of LoRA adapters to serve; None: none.
         `executable_dir`: where each bucket's executable is kept between starts
-        (executables.py); None: compiled each start."""
+        (executables.py); None: compiled each start. `num_speculative_tokens`: the
+        drafts a row may carry (speculative decoding; each bucket then verifies
+        `buckets.draft_logits` of them)."""
         cfg = model.config
+        self.num_speculative_tokens = num_speculative_tokens
         self.graphdef, self.state = nnx.split(model)
         self.buckets = buckets
         self.page_size = page_size
@@ -195,7 +199,7 @@ class ModelRunner:
             # arrays), and one model and sizes on one device or on a mesh differ only there
             program = repr((cfg, self.graphdef, jax.tree.structure(self.state), self.backend,
                             self.page_size, self.max_pages, self.kv_dtype, self.spare_row,
-                            self.layout))
+                            self.layout, num_speculative_tokens))
             devices = (list(self._weights[0].devices()) if mesh is None
                        else list(mesh.devices.flat))
             self.executable_store = ExecutableStore(executable_dir, program, devices)
@@ -209,10 +213,6 @@ class ModelRunner:
         """Dispatch `plan`'s step and return at once: what is returned waits for its
         results. Steps run in the order they are launched, so the next one may be launched
         before this one's results are read (async scheduling: see `plan.pending_token`)."""
-        if any(c.num_speculative for c in plan.chunks):
-            raise NotImplementedError(
-                "the model runner samples one token a row: draft tokens need a verifying step"
-            )
         for slot, adapter in plan.adapter_loads:
             self.write_adapter(slot, adapter)
         if not plan.chunks:  # its requests failed before the step; the writes stand
@@ -284,14 +284,23 @@ class ModelRunner:
         return self._pack(plan.chunks, plan.bucket)[0]
 
     def _pack(self, chunks: Sequence[Chunk], bucket: tuple[int, int]
-              ) -> tuple[StepInputs, list[int]]:
-        """The step inputs of `chunks` (each on its data shard), and each chunk's result row."""
+              ) -> tuple[StepInputs, list[int], list[int]]:
+        """The step inputs of `chunks` (each on its data shard), each chunk's result row,
+        and the result row of its first draft's greedy token (step.py)."""
         packs, rows = [], []
+        width = bucket[1] + self._draft_logits(bucket)  # a shard's result rows
         for s in range(self.num_shards):
             mine = [i for i, c in enumerate(chunks) if c.shard == s]
             packs.append(self._step_pack([chunks[i] for i in mine], bucket))
-            rows += [(i, s * bucket[1] + j) for j, i in enumerate(mine)]
-        return _concatenate(packs), [row for _, row in sorted(rows)]
+            first_draft = s * width + bucket[1]
+            for j, i in enumerate(mine):
+                rows.append((i, s * width + j, first_draft))
+                first_draft += chunks[i].num_speculative
+        rows.sort()
+        return _concatenate(packs), [r[1] for r in rows], [r[2] for r in rows]
+
+    def _draft_logits(self, bucket: tuple[int, int]) -> int:
+        return draft_logits(bucket, self.num_speculative_tokens)
 
     def _run(self, chunks: Sequence[Chunk], bucket: tuple[int, int]) -> StepOutput:
         """Run `chunks`; results in the chunks' order."""
@@ -301,7 +310,7 @@ class ModelRunner:
         """Dispatch `chunks`' step; what is returned waits for its results, in the chunks'
         order, `device_seconds` being the dispatch and the wait (the host's part of the
         time the device computed)."""
-        inputs, order = self._pack(chunks, bucket)
+        inputs, order, first_drafts = self._pack(chunks, bucket)
         samples = np.array([c.samples for c in chunks], bool)
         if self.channel is not None:
             self.channel.send(STEP, bucket, inputs)
@@ -314,6 +323,11 @@ class ModelRunner:
             rows = np.asarray(jax.device_get(results))
             device = dispatch + time.perf_counter() - start
             output = StepOutput.unpack(rows[order], samples)
+            if any(c.num_speculative for c in chunks):
+                drafts = [c.token_ids[len(c.token_ids) - c.num_speculative :] for c in chunks]
+                after = [rows[f : f + len(d), 0].astype(np.int32).tolist()
+                         for f, d in zip(first_drafts, drafts)]
+                output = output.verified(drafts, after)
             return dataclasses.replace(output, device_seconds=device)
 
         return PendingStep(output, results.is_ready)
@@ -322,7 +336,7 @@ class ModelRunner:
         num_tokens, num_rows = bucket
         return pack_step(
             chunks, self.page_size, num_tokens, num_rows, self.max_pages, self.spare_row,
-            self.backend,
+            self.backend, self._draft_logits(bucket),
         )
 
     def empty_step_inputs(self, bucket: tuple[int, int]) -> StepInputs:

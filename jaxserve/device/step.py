@@ -36,6 +36,7 @@ from jaxserve.device.sampling import (
     any_penalty,
     apply_logit_bias,
     apply_penalties,
+    argmax,
     record_last,
     record_output,
     record_prompt,
@@ -96,8 +97,9 @@ def _step(
     """One forward pass; sample the next token of every row and score it. `slots`: the
     LoRA adapters' slots, when adapters are served.
 
-    Returns f32[num_rows, RESULT_WIDTH] results (laid out as `StepResults` reads
-    them), the cache and the row state.
+    Returns f32[num_rows + num_drafts, RESULT_WIDTH] results (laid out as
+    `StepOutput.unpack` reads them; after the rows', the greedy token after each draft
+    token, which the runner verifies the drafts by), the cache and the row state.
     """
     token_ids = resolve_pending(row_state, inputs.token_ids)
     logits, kv_cache = _forward(
@@ -105,6 +107,8 @@ def _step(
         _batch(slots, inputs.adapters),
     )
     params = inputs.sampling
+    num_rows = params.temperature.shape[0]
+    logits, draft_logits = logits[:num_rows], logits[num_rows:]
     # a step without logit_bias leaves the logits alone: the biased copy costs every row
     biased = jax.lax.cond(
         any_logit_bias(params), apply_logit_bias, lambda lg, _: lg, logits, params
@@ -118,7 +122,12 @@ def _step(
     tokens = sample(penalized, params)
     row_state = jax.lax.cond(active, record_output, lambda pn, *_: pn, row_state, params, tokens)
     row_state = record_last(row_state, params, tokens)
-    return _results(logits, tokens, params.logprobs), kv_cache, row_state
+    results = _results(logits, tokens, params.logprobs)
+    if draft_logits.shape[0]:  # drafts come only with greedy rows (host/ngram.py)
+        after = argmax(draft_logits).astype(results.dtype)
+        results = jnp.concatenate(
+            [results, jnp.zeros((after.shape[0], results.shape[1])).at[:, 0].set(after)])
+    return results, kv_cache, row_state
 
 
 def _penalize(
@@ -142,7 +151,7 @@ def _score(
 ) -> tuple[jax.Array, KVCache]:
     """Prompt logprobs: each target's log-probability after the tokens before it.
 
-    Returns f32[num_tokens, RESULT_WIDTH] (the `StepResults` layout, targets as the
+    Returns f32[num_tokens, RESULT_WIDTH] (the `StepOutput.unpack` layout, targets as the
     tokens) and the cache, its K/V written as the step writes them.
     """
     logits, kv_cache = _forward(graphdef, state, kv_cache, token_ids, positions, metadata,

@@ -31,6 +31,14 @@ def token_sizes(low: int, budget: int) -> tuple[int, ...]:
     return (*sizes, *range(sizes[-1] + step if sizes else low, budget, step), budget)
 
 
+def draft_logits(bucket: tuple[int, int], num_speculative_tokens: int) -> int:
+    """How many draft tokens a step of `bucket` verifies at most (a logit row each, after
+    its rows' own): what its tokens hold beyond one a row, up to `num_speculative_tokens`
+    a row. So a step of one token a row computes none, and no bucket is added."""
+    tokens, rows = bucket
+    return min(tokens - rows, rows * num_speculative_tokens)
+
+
 @dataclass(frozen=True, slots=True)
 class BucketTable:
     """Token-count and row-count sizes; every (tokens ≥ rows) pair is a bucket."""

@@ -15,10 +15,11 @@ costs: a request that stops (EOS, a stop string) at step N still has its row com
 in step N+1, its output dropped; and its row and pages return to the pool once step
 N+1 has run, one step later than without.
 
-Speculative decoding has its path here: a `Proposer`, if given, drafts tokens for each
-decoding request after every step; the scheduler plans them after the request's last
-token and the runner returns the ones the model accepts. No proposer ships yet, and the
-model runner refuses drafts; tests drive the path with a scripted runner.
+Speculative decoding: a `Proposer`, if given (host/ngram.py's prompt lookup), drafts
+tokens for each decoding request after every step; the scheduler plans them after the
+request's last token and the runner returns the ones the model accepts, and the token
+after the last of them. Drafts follow a step's tokens, so this plans each step after the
+one before (no async scheduling).
 """
 
 import asyncio
@@ -138,6 +139,8 @@ class Engine:
         # two agree (a request never ended shows)
         self.num_admitted = 0
         self.num_finished: Counter[str] = Counter()
+        self.num_draft_tokens = 0  # drafts verified by steps (speculative decoding)
+        self.num_accepted_tokens = 0  # of which the model accepted
 
     # ---------------------------------------------------------------- client side
 
@@ -282,6 +285,9 @@ class Engine:
             try:
                 faults.before_emit(request.request_id)
                 appended = self._emit(request, output, row, accepted, now) if accepted else 0
+                if chunk.num_speculative:
+                    self.num_draft_tokens += chunk.num_speculative
+                    self.num_accepted_tokens += max(0, len(accepted) - 1)
                 self.scheduler.advance(request, chunk, appended)
                 if request.finished:
                     self._free(request)

@@ -8,11 +8,15 @@ The step plan handed to the device side is plain data copied from it (`plan.Chun
 """
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from jaxserve.checkpoint.adapter import Adapter
 from jaxserve.config import SamplingParams
 from jaxserve.host.output_text import OutputText
 from jaxserve.host.stream import OutputStream
+
+if TYPE_CHECKING:
+    from jaxserve.host.ngram import NgramIndex
 
 
 @dataclass(eq=False)
@@ -42,6 +46,7 @@ class Request:
     last_page_key: bytes | None = None  # the key of the last of them, once one is computed
     token_ids: list[int] = field(init=False)  # the prompt, then every token generated
     spec_token_ids: tuple[int, ...] = ()  # draft tokens for the next step to verify
+    ngram_index: "NgramIndex | None" = None  # the n-gram proposer's, once it drafts
     # its client's side (the engine's)
     output: OutputText | None = None  # released text and the stop decision
     stream: OutputStream | None = None

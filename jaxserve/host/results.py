@@ -6,7 +6,7 @@ A row accepts nothing (a prefill chunk that does not reach its last token), one 
 agrees with and the token sampled after the last of them: up to k = 1 + drafts.
 """
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -53,6 +53,29 @@ class StepOutput:
             results[:, None, 2 : 2 + n].astype(np.int32),
             results[:, None, 2 + n :],
         )
+
+    def verified(self, drafts: list[Sequence[int]], after: list[Sequence[int]]) -> "StepOutput":
+        """Greedy verification of each row's `drafts`, given `after`, the model's greedy
+        token after each of them: a row keeps its sampled token, then each draft that
+        equals the model's token before it and the model's token after that draft, so
+        its tokens are those that decoding one at a time would give. Tokens past the
+        first have no logprobs (rows with drafts ask for none)."""
+        k = 1 + max(map(len, drafts), default=0)
+        tokens = np.zeros((len(drafts), k), np.int32)
+        tokens[:, 0] = self.tokens[:, 0]
+        accepted = self.num_accepted.copy()
+        for row, (draft, model) in enumerate(zip(drafts, after)):
+            n = 0
+            while n < len(draft) and accepted[row] and draft[n] == tokens[row, n]:
+                tokens[row, n + 1] = model[n]
+                n += 1
+            accepted[row] += n
+
+        def widened(a: np.ndarray) -> np.ndarray:
+            return np.concatenate([a, np.zeros((len(a), k - 1, *a.shape[2:]), a.dtype)], 1)
+
+        return StepOutput(tokens, accepted, widened(self.logprobs), widened(self.top_ids),
+                          widened(self.top_logprobs), self.prompt_logprobs, self.device_seconds)
 
 
 @dataclass(frozen=True, slots=True)

@@ -51,7 +51,7 @@ from collections import Counter, deque
 from dataclasses import dataclass, field
 
 from jaxserve.host.adapters import SlotTable
-from jaxserve.host.buckets import BucketTable
+from jaxserve.host.buckets import BucketTable, draft_logits
 from jaxserve.host.page_allocator import PageAllocator, page_keys
 from jaxserve.host.plan import Chunk, StepPlan, pending_token
 from jaxserve.host.request import Request, RequestRejected
@@ -75,6 +75,7 @@ class Scheduler:
     prefix_caching: bool = True
     reserved_rows: int = 0  # rows no tenant may take while others are active
     adapter_slots: SlotTable | None = None  # LoRA adapters' device slots, when served
+    num_speculative_tokens: int = 0  # drafts a request may carry a step (0: none)
     waiting: deque[Request] = field(default_factory=deque)
     running: dict[str, Request] = field(default_factory=dict)  # in admission order
     step_index: int = 0
@@ -173,6 +174,7 @@ class Scheduler:
             tokens = sum(len(c.token_ids) for c in mine)
             widest = (max(widest[0], tokens), max(widest[1], len(mine)))
         bucket = self.buckets.choose(*widest) if chunks else (0, 0)
+        self._fit_drafts(chunks, bucket)
         plan = StepPlan(self.step_index, tuple(chunks), bucket, admitted, loads)
         self.step_index += 1
         return plan
@@ -297,6 +299,22 @@ class Scheduler:
         keys = page_keys(request.prompt_ids[: usable * self.page_size], self.page_size,
                          request.cache_salt)
         return allocator.match_prefix(keys)
+
+    def _fit_drafts(self, chunks: list[Chunk], bucket: tuple[int, int]) -> None:
+        """Cut each shard's drafts, last rows first, to what a step of `bucket` verifies
+        (`buckets.draft_logits`): where the bucket pads the rows, their padding takes
+        some of the tokens' room. A cut draft only costs its row a step."""
+        room = draft_logits(bucket, self.num_speculative_tokens)
+        for shard in range(self.num_shards):
+            drafted = [c for c in chunks if c.shard == shard and c.num_speculative]
+            excess = sum(c.num_speculative for c in drafted) - room
+            for chunk in reversed(drafted):
+                if excess <= 0:
+                    break
+                cut = min(excess, chunk.num_speculative)
+                chunk.token_ids = chunk.token_ids[: len(chunk.token_ids) - cut]
+                chunk.num_speculative -= cut
+                excess -= cut
 
     @staticmethod
     def _chunk(request: Request, n: int, drafts: tuple[int, ...] = ()) -> Chunk:
