@@ -1,6 +1,8 @@
 """Speculative decoding by prompt lookup: drafts, their verification, and the same tokens."""
 
 import dataclasses
+import json
+import os
 import random
 import subprocess
 import sys
@@ -256,3 +258,31 @@ def test_a_bad_speculative_config_is_refused_before_the_model_loads(config, erro
     out = subprocess.run([sys.executable, "-m", "jaxserve.cli", "serve", "--speculative-config",
                           config], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and error in out.stderr, out.stderr
+
+
+DATA_PARALLEL = """
+import json, sys
+from jaxserve import LLM, SamplingParams
+path, prompts = sys.argv[1], json.loads(sys.argv[2])
+sizes = dict(num_pages=96, page_size=8, max_model_len=128, max_batch=4, weight_dtype="f32")
+params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+alone = LLM(path, **sizes).generate(prompts, params)
+spec = LLM(path, dp=2, num_speculative_tokens=3, **sizes)
+got = spec.generate(prompts, params)
+print(json.dumps({"same": [o.token_ids for o in got] == [o.token_ids for o in alone],
+                  "accepted": spec.engine.num_accepted_tokens}))
+"""
+
+
+@pytest.mark.slow
+def test_two_data_shards_verify_their_own_drafts(tiny_path):
+    """Each shard's rows and drafts sit in its own part of the step's results."""
+    prompts = [REPEATS, [40, 41, 42] * 3, [3] * 12, list(range(100, 130)), [7, 8] * 6]
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+           "JAX_PLATFORMS": "cpu"}
+    out = subprocess.run([sys.executable, "-c", DATA_PARALLEL, str(tiny_path),
+                          json.dumps(prompts)], cwd=ROOT, env=env, capture_output=True,
+                         text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["same"] and result["accepted"] > 0
