@@ -299,7 +299,8 @@ SPECULATIVE_KEYS = {"num_speculative_tokens", "prompt_lookup_max", "prompt_looku
 
 def _speculative_config(spec: str) -> dict[str, int]:
     """EngineConfig's speculative fields from vLLM's --speculative-config JSON (the
-    "ngram" method: prompt lookup; its other keys are refused, not ignored)."""
+    "ngram" method: prompt lookup; its other keys are refused, not ignored), read as vLLM
+    reads it: with neither lookup size given both are 5, with one the other equals it."""
     try:
         config = json.loads(spec)
     except ValueError as err:
@@ -315,7 +316,15 @@ def _speculative_config(spec: str) -> dict[str, int]:
             f" (num_speculative_tokens required); got {', '.join(sorted(config))}")
     if not all(isinstance(config[k], int) and config[k] >= 1 for k in config.keys() - {"method"}):
         raise argparse.ArgumentTypeError("its sizes must be positive integers")
-    return {k: v for k, v in config.items() if k != "method"}
+    low, high = config.get("prompt_lookup_min"), config.get("prompt_lookup_max")
+    if low is None and high is None:
+        low = high = 5
+    low, high = low or high, high or low
+    if low > high:
+        raise argparse.ArgumentTypeError(f"prompt_lookup_min ({low}) must be at most "
+                                         f"prompt_lookup_max ({high})")
+    return {"num_speculative_tokens": config["num_speculative_tokens"],
+            "prompt_lookup_min": low, "prompt_lookup_max": high}
 
 
 def _bucket_table(spec: str) -> BucketTable:

@@ -1,5 +1,6 @@
 """Speculative decoding by prompt lookup: drafts, their verification, and the same tokens."""
 
+import argparse
 import dataclasses
 import json
 import os
@@ -17,6 +18,7 @@ from serving import ROOT, running_server
 
 from jaxserve import LLM, SamplingParams
 from jaxserve.checkpoint.tokenizer import Tokenizer
+from jaxserve.cli import _speculative_config
 from jaxserve.device.batch import pack_step
 from jaxserve.host.buckets import draft_logits
 from jaxserve.host.ngram import NgramProposer
@@ -245,6 +247,19 @@ def test_a_server_with_drafts_streams_the_tokens_of_one_without(tiny_model):
               if line.startswith("jaxserve:spec_decode")}
     drafted = counts["jaxserve:spec_decode_num_draft_tokens_total"]
     assert 0 < counts["jaxserve:spec_decode_num_accepted_tokens_total"] <= drafted
+
+
+def test_the_config_is_read_as_vllm_reads_it():
+    def sizes(**given):
+        config = _speculative_config(json.dumps({"method": "ngram", **given}))
+        return config["prompt_lookup_min"], config["prompt_lookup_max"]
+
+    assert sizes(num_speculative_tokens=3) == (5, 5)
+    assert sizes(num_speculative_tokens=3, prompt_lookup_max=4) == (4, 4)
+    assert sizes(num_speculative_tokens=3, prompt_lookup_min=2) == (2, 2)
+    assert sizes(num_speculative_tokens=3, prompt_lookup_min=2, prompt_lookup_max=4) == (2, 4)
+    with pytest.raises(argparse.ArgumentTypeError, match="must be at most"):
+        sizes(num_speculative_tokens=3, prompt_lookup_min=5, prompt_lookup_max=4)
 
 
 @pytest.mark.parametrize("config, error", [
