@@ -410,31 +410,23 @@ def ratio_rows(results: dict, levels: list[int]) -> tuple[list[list[str]], dict]
     other system) and its ratios as a dict: peer -> concurrency -> metric -> ratio.
     `results`: system -> {"status", "levels": concurrency -> figures}."""
     ok = {p: r["levels"] for p, r in results.items() if r["status"] == "ok"}
-    others = [p for p in ok if p != "jaxserve"]
-    ratios: dict = {p: {} for p in others}
+    pairs = [("jaxserve", p) for p in ok if p != "jaxserve"]
+    pairs += [(mine, theirs) for mine, theirs in PAIRS if mine in ok and theirs in ok]
+    ratios: dict = {}
     rows = []
     for c, (label, key, pct) in itertools.product(levels, METRICS):
         cells = {p: value(ok[p][str(c)], key, pct) for p in ok}
         row = [f"{label} @ {c}", *(fmt(cells[p]) for p in ok)]
-        for p in others:
-            mine, theirs = cells.get("jaxserve"), cells[p]
-            r = mine / theirs if mine is not None and theirs else None
-            ratios[p].setdefault(str(c), {})[f"{key}{'_' + pct if pct else ''}"] = r
-            if "jaxserve" in ok:
+        for mine, theirs in pairs:
+            a, b = cells.get(mine), cells[theirs]
+            r = a / b if a is not None and b else None
+            name = theirs if mine == "jaxserve" else f"{mine} ÷ {theirs}"
+            ratios.setdefault(name, {}).setdefault(str(c), {})[
+                f"{key}{'_' + pct if pct else ''}"] = r
+            if mine in ok:
                 row.append(fmt(r, 2))
         rows.append(row)
-    headers = ["metric @ concurrency", *ok]
-    if "jaxserve" in ok:
-        headers += [f"jaxserve ÷ {p}" for p in others]
-    for mine, theirs in PAIRS:
-        if mine in ok and theirs in ok:
-            headers.append(f"{mine} ÷ {theirs}")
-            for row, (c, (_, key, pct)) in zip(rows, itertools.product(levels, METRICS)):
-                a, b = value(ok[mine][str(c)], key, pct), value(ok[theirs][str(c)], key, pct)
-                r = a / b if a is not None and b else None
-                ratios.setdefault(f"{mine} ÷ {theirs}", {}).setdefault(str(c), {})[
-                    f"{key}{'_' + pct if pct else ''}"] = r
-                row.append(fmt(r, 2))
+    headers = ["metric @ concurrency", *ok, *(f"{m} ÷ {t}" for m, t in pairs if m in ok)]
     return [headers, *rows], ratios
 
 
