@@ -274,6 +274,39 @@ def test_each_row_multiplies_its_own_adapter_slot_only(backend, passes, rank):
         by_slots(x[:1], a, np.int32([num_slots + 1]) * (width // rank), False, groups)
 
 
+@pytest.mark.parametrize("backend", KERNELS)
+def test_rows_past_the_live_ones_are_zeros_and_the_live_ones_unchanged(backend):
+    """`live`: a step's padding rows, after its real ones, are not computed (zeros), and
+    each real row gets the bits it gets with the padding computed, on every path (bf16 and
+    Q4_1 weights, x in bf16 or not or int8; a norm, a gated input, a residual); a live
+    count past the rows computes them all."""
+    rng = np.random.default_rng(17)
+    k, n = 576, 592
+    bf16_w = jnp.asarray(linear.pack(rng.standard_normal((2, k, n)).astype(np.float32)))
+    q4_w = jnp.asarray(linear.pack_q4_1(q4_1_blocks(rng, 2, n, k)))
+    cases = [(bf16_w, 1), (bf16_w, 2), (q4_w, 1), (q4_w, 2)]
+    if linear.int8_available():
+        cases.append((q4_w, 0))
+    x = jnp.asarray(rng.standard_normal((40, 2 * k)).astype(np.float32))
+    residual = jnp.asarray(rng.standard_normal((40, n)).astype(np.float32))
+    norm = jnp.asarray(rng.standard_normal(k).astype(np.float32))
+    options = [{"residual": residual}, {"norm": norm, "eps": 1e-5}, {"gated": True}]
+    for w, passes in cases:
+        for extra in options:
+            xs = x if extra.get("gated") else x[:, :k]
+
+            def product(live, w=w, passes=passes, extra=extra, xs=xs):
+                return np.asarray(jax.jit(lambda xs, live: linear.packed_linear(
+                    xs, w, 1, backend, passes, live=live, **extra))(xs, live))
+
+            whole = product(40)
+            for live in (0, 1, 5, 16, 37, 99):
+                got, real = product(live), min(live, 40)
+                message = f"passes {passes}, {list(extra)}, {live} live rows"
+                np.testing.assert_array_equal(got[:real], whole[:real], err_msg=message)
+                assert not got[real:].any(), message
+
+
 def q4_1_blocks(rng: np.random.Generator, *shape: int) -> np.ndarray:
     """Random Q4_1 blocks of a weight [..., out, in], as a GGUF file holds them."""
     *lead, n, k = shape

@@ -803,8 +803,8 @@ enum class Isa { kAmx, kAvx512Bf16 };
 template <Isa isa, ffi::DataType kWeight>
 ffi::Error Linear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<kWeight> w,
                   ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::F32> norm,
-                  ffi::Buffer<ffi::F32> residual, ffi::ResultBuffer<ffi::F32> y,
-                  int32_t passes, float eps, int32_t gated) {
+                  ffi::Buffer<ffi::F32> residual, ffi::Buffer<ffi::S32> live,
+                  ffi::ResultBuffer<ffi::F32> y, int32_t passes, float eps, int32_t gated) {
   constexpr bool kQ41 = kWeight == ffi::U8;  // Q4_1 tiles, else bf16 ones
   const auto xd = x.dimensions(), wd = w.dimensions();
   if (xd.size() != 2 || wd.size() != 5 ||
@@ -815,7 +815,7 @@ ffi::Error Linear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<kWe
   if (gated && (xd.size() != 2 || xd[1] % 2 || norm.element_count()))
     return ffi::Error::InvalidArgument("packed linear: a gated x is [m, 2k], without a norm");
   // x's rows: k inputs (gated: gate's k, then up's)
-  const int64_t m = xd[0], k = gated ? xd[1] / 2 : xd[1], stride = xd[1];
+  const int64_t rows = xd[0], k = gated ? xd[1] / 2 : xd[1], stride = xd[1];
   const int64_t n_blocks = wd[1], k_blocks = wd[2];
   if (k > k_blocks * kDepth || k <= (k_blocks - 1) * kDepth)
     return ffi::Error::InvalidArgument("packed linear: x's inputs do not match w's");
@@ -828,8 +828,17 @@ ffi::Error Linear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<kWe
   if (norm.element_count() != 0 && norm.element_count() != static_cast<size_t>(k))
     return ffi::Error::InvalidArgument("packed linear: the norm's weight must have x's inputs");
   if (residual.element_count() != 0 &&
-      residual.element_count() != static_cast<size_t>(m * n_blocks * kCols))
+      residual.element_count() != static_cast<size_t>(rows * n_blocks * kCols))
     return ffi::Error::InvalidArgument("packed linear: the residual must be y's shape, [m, n]");
+  if (live.element_count() > 1)
+    return ffi::Error::InvalidArgument("packed linear: live rows must be [1], or [0] for all");
+  // the rows computed: a step's real tokens come first and its bucket's padding after
+  // them, which gets zeros (a 200-token prompt in a 224-token bucket multiplied 12 % more
+  // rows than it has)
+  const int64_t m = live.element_count()
+                        ? std::clamp<int64_t>(live.typed_data()[0], 0, rows) : rows;
+  std::fill(y->typed_data() + m * n_blocks * kCols, y->typed_data() + rows * n_blocks * kCols,
+            0.0f);
   if (m == 0) return ffi::Error::Success();
   const int64_t m_blocks = (m + kRows - 1) / kRows, depth = k_blocks * kDepth;
   const RowNorm row_norm{norm.typed_data(), eps, k};
@@ -1112,6 +1121,7 @@ extern "C" void JaxserveSetPrefetchJob(void* job) {
       .Arg<ffi::Buffer<ffi::S32>>() /* layer */    \
       .Arg<ffi::Buffer<ffi::F32>>() /* RMSNorm's weight [k], or [0]: x as it is */ \
       .Arg<ffi::Buffer<ffi::F32>>() /* a residual [m, n] added to y, or [0] */ \
+      .Arg<ffi::Buffer<ffi::S32>>() /* [1]: the rows to compute (the rest: zeros); [0]: all */ \
       .Ret<ffi::Buffer<ffi::F32>>() /* y */        \
       .Attr<int32_t>("passes") /* 1: x in bf16; 2: hi + lo; 0: int8 (Q4_1) */ \
       .Attr<float>("eps") /* RMSNorm's epsilon */ \

@@ -238,8 +238,8 @@ def q8_reference(x: np.ndarray, packed: np.ndarray) -> np.ndarray:
 
 def packed_linear(x: jax.Array, packed: jax.Array, layer: jax.Array | int | None = None,
                   backend: str = "amx", passes: int = 2, norm: jax.Array | None = None,
-                  eps: float = 0.0, gated: bool = False, residual: jax.Array | None = None
-                  ) -> jax.Array:
+                  eps: float = 0.0, gated: bool = False, residual: jax.Array | None = None,
+                  live: jax.Array | int | None = None) -> jax.Array:
     """x [..., in] (f32) @ the packed weight (one [n/16, k/32, 16, 32], or Q4_1's [n/16,
     k/32, 20, 16], or a stack of them with the `layer` to use) → f32 [..., out], on
     `backend`'s kernel (a key of KERNELS), with x rounded to bf16 (`passes` 1), not (2),
@@ -248,7 +248,9 @@ def packed_linear(x: jax.Array, packed: jax.Array, layer: jax.Array | int | None
     bits models/layers.py's `rms_norm` gives them under XLA; `gated`, x is [..., 2 * in]
     (gate's columns, then up's) and the kernel multiplies silu(gate) * up, with the bits
     of layers.py's `swiglu` under XLA. `residual` (f32 [..., out]) is added to the
-    product (`residual + x @ w`, XLA's bits)."""
+    product (`residual + x @ w`, XLA's bits). With `live` (i32[]), only x's first `live`
+    rows are computed and the rest of y is zeros: a step's padding tokens, which follow
+    its real ones."""
     if x.dtype != jnp.float32:
         raise ValueError(f"the {backend} kernel takes f32 activations, got {x.dtype}")
     q4_1 = packed.dtype == jnp.uint8  # pack_q4_1's tiles, else pack's
@@ -283,10 +285,12 @@ def packed_linear(x: jax.Array, packed: jax.Array, layer: jax.Array | int | None
                          f"{[*x.shape[:-1], n]}")
     residual = (jnp.zeros((0,), jnp.float32) if residual is None
                 else residual.astype(jnp.float32).reshape(-1, n))
+    live = jnp.zeros((0,), jnp.int32) if live is None else jnp.asarray(live, jnp.int32)[None]
     flat = x.reshape(-1, x.shape[-1])
     call = jax.ffi.ffi_call(Q4_1_KERNELS[backend][0] if q4_1 else KERNELS[backend][0],
                             jax.ShapeDtypeStruct((flat.shape[0], n), jnp.float32))
-    y = call(flat, packed, jnp.asarray(layer, jnp.int32), norm, residual, passes=np.int32(passes),
+    y = call(flat, packed, jnp.asarray(layer, jnp.int32), norm, residual, live,
+             passes=np.int32(passes),
              eps=np.float32(eps), gated=np.int32(gated))
     return y.reshape(*x.shape[:-1], n)
 

@@ -50,6 +50,8 @@ class PackedWeight:
     backend: str = field(metadata={"static": True})  # a key of cpu_kernels.linear.KERNELS
     passes: int = field(metadata={"static": True})  # 1: x in bf16; 2: f32; 0: int8 (Q4_1)
     layer: jax.Array | None = None  # i32[]
+    live: jax.Array | None = None  # i32[]: the step's real tokens, x's first rows (the
+    # rest are its bucket's padding, which the kernel leaves uncomputed); None: all rows
     # several projections of one input side by side (`fuse`): each one's output columns
     splits: tuple[int, ...] = field(default=(), metadata={"static": True})
 
@@ -113,7 +115,7 @@ def linear(x: Input, w: jax.Array | QuantizedWeight | PackedWeight, norm: Norm |
         joined = jnp.concatenate(x, axis=-1) if gated else x
         return packed_linear(joined.astype(jnp.float32), w.values, w.layer, w.backend,
                              w.passes, *((norm.weight, norm.eps) if norm else ()), gated=gated,
-                             residual=residual).astype(joined.dtype)
+                             residual=residual, live=w.live).astype(joined.dtype)
     y = _product(prologue(x, norm, gated), w)
     return y if residual is None else residual + y
 
@@ -198,10 +200,10 @@ def lora_terms(x: jax.Array, group: LoraGroup) -> list[jax.Array]:
     return jax.lax.cond(group.active, terms, zeros, x)
 
 
-def scan_layers(body, carry, weights: dict):
+def scan_layers(body, carry, weights: dict, live: jax.Array | None = None):
     """jax.lax.scan of body(carry, one layer's weights) over weights stacked on a leading
     [num_layers] axis (a nested dict too); a PackedWeight is passed whole, with the layer's
-    index."""
+    index and the step's `live` tokens (PackedWeight's)."""
     sliced = jax.tree.map(lambda w: None if isinstance(w, PackedWeight) else w, weights,
                           is_leaf=is_packed)
     num_layers = jax.tree.leaves(sliced)[0].shape[0]
@@ -210,7 +212,7 @@ def scan_layers(body, carry, weights: dict):
         i, layer = xs
 
         def at_layer(whole, sliced):
-            return dataclasses.replace(whole, layer=i) if (
+            return dataclasses.replace(whole, layer=i, live=live) if (
                 isinstance(whole, PackedWeight)) else sliced
 
         return body(carry, jax.tree.map(at_layer, weights, layer, is_leaf=is_packed))

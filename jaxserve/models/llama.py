@@ -142,7 +142,9 @@ class DecoderLayers(nnx.Module):
             (x,) = project((gate, up), "down", gated=True, residual=x)
             return (x, cache, i + 1), None
 
-        (x, kv_cache, _), _ = scan_layers(layer, (x, kv_cache, jnp.int32(0)), weights)
+        # the step's real tokens come first (device/batch.py): its bucket's padding after
+        (x, kv_cache, _), _ = scan_layers(layer, (x, kv_cache, jnp.int32(0)), weights,
+                                          metadata.cu_q_lens[-1])
         return x, kv_cache
 
 
