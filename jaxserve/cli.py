@@ -251,8 +251,9 @@ def _engine_flags(parser: argparse.ArgumentParser) -> None:
         "--speculative-config", type=_speculative_config, default={}, metavar="JSON",
         help='speculative decoding, as vLLM takes it: {"method": "ngram", '
         '"num_speculative_tokens": 3, "prompt_lookup_max": 4, "prompt_lookup_min": 2} drafts '
-        "up to 3 tokens a step for greedy requests from their own earlier tokens (the same "
-        "tokens, fewer steps where text repeats); turns off async scheduling",
+        "up to 3 tokens a step for each request (greedy or sampled; not with logprobs, "
+        "penalties or a logit bias) from its own earlier tokens (the same tokens, fewer "
+        "steps where text repeats); turns off async scheduling",
     )
     group.add_argument(
         "--reserved-rows", type=int, default=None,

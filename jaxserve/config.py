@@ -192,7 +192,8 @@ class EngineConfig:
     max_loras: int = 4  # device slots for adapters; more wait in host memory
     max_lora_rank: int = 16  # the highest rank an adapter may have (slots are this wide)
     # speculative decoding by prompt lookup (vLLM's "ngram" method, host/ngram.py): up to
-    # this many draft tokens a step for each greedy request; 0: off. It plans each step
+    # this many draft tokens a step for each request that takes them (ngram.takes_drafts:
+    # greedy or sampled, without logprobs, penalties or logit bias); 0: off. It plans each step
     # after the one before (no async scheduling: a step's drafts follow its tokens).
     num_speculative_tokens: int = 0
     prompt_lookup_min: int = 2  # the shortest run of a request's last tokens looked up

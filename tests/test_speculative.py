@@ -18,6 +18,7 @@ from serving import ROOT, running_server
 from jaxserve import LLM, SamplingParams
 from jaxserve.checkpoint.tokenizer import Tokenizer
 from jaxserve.cli import _speculative_config
+from jaxserve.device import runner as runner_module
 from jaxserve.device.batch import pack_step
 from jaxserve.host.buckets import draft_logits
 from jaxserve.host.ngram import NgramProposer
@@ -72,14 +73,15 @@ def test_the_index_grows_with_the_request_and_matches_a_brute_force_lookup():
 
 
 @pytest.mark.parametrize("params", [
-    SamplingParams(temperature=0.7), SamplingParams(temperature=0, logprobs=1),
-    SamplingParams(temperature=0, repetition_penalty=1.2),
+    SamplingParams(temperature=0, logprobs=1),
+    SamplingParams(temperature=0.7, repetition_penalty=1.2),
     SamplingParams(temperature=0, presence_penalty=0.5),
     SamplingParams(temperature=0, logit_bias={3: 1.0}),
-], ids=["sampled", "logprobs", "repetition", "presence", "bias"])
-def test_only_plain_greedy_requests_get_drafts(params):
+], ids=["logprobs", "repetition", "presence", "bias"])
+def test_requests_with_logprobs_penalties_or_a_bias_get_no_drafts(params):
     assert NgramProposer(3, 2, 4).propose(request(REPEATS, params)) == ()
-    assert NgramProposer(3, 2, 4).propose(request(REPEATS)) == (5, 6, 7)
+    for drafted in (GREEDY, SamplingParams(temperature=0.7, top_k=5, top_p=0.9, min_p=0.1)):
+        assert NgramProposer(3, 2, 4).propose(request(REPEATS, drafted)) == (5, 6, 7)
 
 
 def test_a_bucket_verifies_the_drafts_its_tokens_hold_beyond_one_a_row():
@@ -96,8 +98,13 @@ def test_the_step_takes_logits_at_each_rows_last_real_token_then_at_its_drafts()
         Chunk((20, 21), 0, (2,), row=1),  # a prompt chunk
         Chunk((30, 31, 32, 33), 9, (3,), is_prompt=False, row=2, num_speculative=3),
     ]
+    chunks[2].num_generated = 7
     inputs = pack_step(chunks, 16, 16, 4, 4, 4, num_draft_logits=6)
     assert inputs.metadata.logits_indices.tolist() == [0, 4, 5, 0, 1, 2, 6, 7, 8, 0]
+    # each draft's row, and the counter its next token is drawn with: the row's, plus the
+    # draft's place in the row (a decode's token after 7 generated is drawn with 7)
+    assert inputs.draft_rows.tolist() == [0, 0, 2, 2, 2, 0]
+    assert inputs.draft_counters.tolist() == [1, 2, 8, 9, 10, 0]
     with pytest.raises(ValueError, match="5 draft tokens exceed the step's 4"):
         pack_step(chunks, 16, 16, 4, 4, 4, num_draft_logits=4)
 
@@ -176,6 +183,43 @@ def test_greedy_tokens_are_the_same_in_fewer_steps(pair):
     assert alloc.num_used == 0 and alloc.num_free + alloc.num_cached == alloc.num_usable
 
 
+SAMPLED = [SamplingParams(max_tokens=24, temperature=t, seed=seed, ignore_eos=True, **filters)
+           for seed, (t, filters) in enumerate([
+               (0.3, {}), (0.8, {}), (0.6, {"top_k": 3}), (0.9, {"top_p": 0.7}),
+               (1.0, {"min_p": 0.2}), (0.5, {"top_k": 8, "top_p": 0.9}), (0.7, {})])]
+
+
+def test_seeded_tokens_are_the_same_in_fewer_steps(pair):
+    """Sampled requests verify their drafts by the tokens the step draws after them (with
+    the keys decoding one at a time uses), so each seeded request gets its tokens without
+    drafts, at every temperature and filter, and some of their drafts are kept."""
+    plain, spec = pair
+    prompts = [REPEATS, [40, 41, 42] * 3, [3] * 12, REPEATS, [7, 8] * 6, [40, 41, 42] * 3,
+               list(range(100, 130))]
+    accepted = spec.engine.num_accepted_tokens
+    want = [o.token_ids for o in plain.generate(prompts, SAMPLED)]
+    got = [o.token_ids for o in spec.generate(prompts, SAMPLED)]
+    assert got == want
+    assert spec.engine.num_accepted_tokens > accepted
+
+
+def test_the_seeded_check_fails_where_drafts_draw_with_their_rows_key(pair, monkeypatch):
+    """The comparison above can fail: tokens after drafts drawn with the row's own counter
+    (one key for every draft of a row) are other tokens."""
+    plain, spec = pair
+    prompts, params = [REPEATS, [40, 41, 42] * 3, [3] * 12], SAMPLED[:3]
+    want = [o.token_ids for o in plain.generate(prompts, params)]
+
+    def one_key(*args, **kwargs):
+        inputs = pack_step(*args, **kwargs)
+        inputs.draft_counters[:] = inputs.sampling.counters[inputs.draft_rows]
+        return inputs
+
+    monkeypatch.setattr(runner_module, "pack_step", one_key)
+    got = [o.token_ids for o in spec.generate(prompts, params)]
+    assert got != want
+
+
 def test_requests_without_drafts_keep_their_tokens_beside_drafted_ones(pair):
     plain, spec = pair
     params = [GREEDY, SamplingParams(max_tokens=24, temperature=0.8, seed=7, ignore_eos=True),
@@ -211,19 +255,24 @@ def test_the_check_fails_where_every_draft_is_taken_unverified(pair, monkeypatch
 
 
 @pytest.mark.slow
-def test_smollm2_greedy_tokens_are_the_same_with_drafts(smollm2_gguf):
-    """The real model on 16 prompts at once: prompt tokens, mixed prefill and decode steps
-    and drafts verified in one batch give the tokens of decoding one at a time."""
+def test_smollm2_tokens_are_the_same_with_drafts(smollm2_gguf):
+    """The real model on 16 prompts at once, greedy, then seeded: prompt tokens, mixed
+    prefill and decode steps and drafts verified in one batch give the tokens of decoding
+    one at a time."""
     prompts = ["List the days of the week: Monday, Tuesday,", "def add(a, b):\n    return",
                "1, 2, 3, 4, 5,", "The quick brown fox jumps over the lazy dog. " * 3,
                "A B C D E F G", "Roses are red,", "Once upon a time", "Q: Who wrote Hamlet?\nA:"]
     prompts *= 2
     plain, spec = engine_pair(smollm2_gguf)
-    params = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
-    want = [o.token_ids for o in plain.generate(prompts, params)]
-    got = [o.token_ids for o in spec.generate(prompts, params)]
-    assert got == want
-    assert spec.engine.num_accepted_tokens > 0
+    greedy = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
+    seeded = [SamplingParams(max_tokens=48, temperature=0.7, top_p=0.95, seed=i,
+                             ignore_eos=True) for i in range(16)]
+    for params in (greedy, seeded):
+        accepted = spec.engine.num_accepted_tokens
+        want = [o.token_ids for o in plain.generate(prompts, params)]
+        got = [o.token_ids for o in spec.generate(prompts, params)]
+        assert got == want
+        assert spec.engine.num_accepted_tokens > accepted
 
 
 @pytest.mark.slow
@@ -279,7 +328,8 @@ import json, sys
 from jaxserve import LLM, SamplingParams
 path, prompts = sys.argv[1], json.loads(sys.argv[2])
 sizes = dict(num_pages=96, page_size=8, max_model_len=128, max_batch=4, weight_dtype="f32")
-params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+params = [SamplingParams(max_tokens=24, temperature=0.8 * (i % 2), seed=i, ignore_eos=True)
+          for i in range(len(prompts))]  # greedy and seeded
 alone = LLM(path, **sizes).generate(prompts, params)
 spec = LLM(path, dp=2, num_speculative_tokens=3, **sizes)
 got = spec.generate(prompts, params)

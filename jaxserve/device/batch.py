@@ -131,4 +131,11 @@ def pack_step(
         seq_ids, slot_mapping, page_table, cu_q_lens, kv_lens, logits_indices, attention_backend,
         is_prompt,
     )
-    return StepInputs(token_ids, positions, metadata, sampling, adapters)
+    draft_rows = np.zeros(num_draft_logits, np.int32)
+    draft_rows[:num_drafts] = np.repeat(np.arange(n, dtype=np.int32), drafts)
+    draft_counters = np.zeros(num_draft_logits, np.int32)
+    # a row's token is drawn with its counter, the one after its i-th draft with i more
+    draft_counters[:num_drafts] = sampling.counters[draft_rows[:num_drafts]] + (
+        np.arange(num_drafts) - np.repeat(np.cumsum(drafts) - drafts, drafts) + 1)
+    return StepInputs(token_ids, positions, metadata, sampling, adapters, draft_rows,
+                      draft_counters)

@@ -286,7 +286,7 @@ class ModelRunner:
     def _pack(self, chunks: Sequence[Chunk], bucket: tuple[int, int]
               ) -> tuple[StepInputs, list[int], list[int]]:
         """The step inputs of `chunks` (each on its data shard), each chunk's result row,
-        and the result row of its first draft's greedy token (step.py)."""
+        and the result row of the token drawn after its first draft (step.py)."""
         packs, rows = [], []
         width = bucket[1] + self._draft_logits(bucket)  # a shard's result rows
         for s in range(self.num_shards):

@@ -39,6 +39,14 @@ class SamplingTensors:
     bias_ids: jax.Array  # i32[num_rows, MAX_LOGIT_BIAS] logit_bias tokens; padding 0
     bias_values: jax.Array  # f32[num_rows, MAX_LOGIT_BIAS] added to those logits; padding 0
 
+    def at_rows(self, rows: jax.Array, counters: jax.Array) -> "SamplingTensors":
+        """The parameters of rows `rows` (i32[n]), one entry each, with `counters` as
+        theirs: what `sample` draws by at other logits of those rows (a step's drafts).
+        prompt_rows, a token's, is left as it is."""
+        taken = {f.name: getattr(self, f.name)[rows] for f in dataclasses.fields(self)
+                 if f.name not in ("prompt_rows", "counters")}
+        return dataclasses.replace(self, **taken, counters=counters)
+
 
 @jax.tree_util.register_dataclass
 @dataclass(frozen=True, slots=True)

@@ -36,7 +36,6 @@ from jaxserve.device.sampling import (
     any_penalty,
     apply_logit_bias,
     apply_penalties,
-    argmax,
     record_last,
     record_output,
     record_prompt,
@@ -57,6 +56,11 @@ class StepInputs:
     metadata: AttentionMetadata
     sampling: SamplingTensors  # rows = metadata.logits_indices
     adapters: jax.Array  # i32[num_tokens]: each token's adapter slot, 0 for none
+    # after the rows' logits, a logit at each draft token (speculative decoding): the row
+    # whose draft it is, and the counter of the token drawn there (the row's plus the
+    # draft's place in it), so that token is drawn as decoding one at a time draws it
+    draft_rows: jax.Array  # i32[num_draft_logits]; padding 0
+    draft_counters: jax.Array  # i32[num_draft_logits]
 
 
 def _forward(
@@ -98,8 +102,14 @@ def _step(
     LoRA adapters' slots, when adapters are served.
 
     Returns f32[num_rows + num_drafts, RESULT_WIDTH] results (laid out as
-    `StepOutput.unpack` reads them; after the rows', the greedy token after each draft
+    `StepOutput.unpack` reads them; after the rows', the token drawn after each draft
     token, which the runner verifies the drafts by), the cache and the row state.
+
+    A draft is kept while it equals the token drawn before it (results.py). With one draft
+    token and no draft distribution, that is rejection sampling: a draft d is kept with
+    the probability p(d) the model gives it, and a token drawn in its place is p's without
+    d. Each token is drawn with the key decoding one at a time would draw it with, from
+    logits of the same bits, so a seeded request gets the same tokens either way.
     """
     token_ids = resolve_pending(row_state, inputs.token_ids)
     logits, kv_cache = _forward(
@@ -123,8 +133,10 @@ def _step(
     row_state = jax.lax.cond(active, record_output, lambda pn, *_: pn, row_state, params, tokens)
     row_state = record_last(row_state, params, tokens)
     results = _results(logits, tokens, params.logprobs)
-    if draft_logits.shape[0]:  # drafts come only with greedy rows (host/ngram.py)
-        after = argmax(draft_logits).astype(results.dtype)
+    if draft_logits.shape[0]:  # drafts come only with rows without penalties, logit
+        # bias or logprobs (host/ngram.py)
+        draws = params.at_rows(inputs.draft_rows, inputs.draft_counters)
+        after = sample(draft_logits, draws).astype(results.dtype)
         results = jnp.concatenate(
             [results, jnp.zeros((after.shape[0], results.shape[1])).at[:, 0].set(after)])
     return results, kv_cache, row_state

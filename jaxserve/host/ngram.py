@@ -8,9 +8,11 @@ looping under greedy decoding) is drafted well; other text finds no match and is
 decoded as before. The step verifies every draft (runner.py): the model's tokens are the
 same with drafts or without, made in fewer steps.
 
-Only greedy requests without penalties, logit bias or logprobs get drafts: each token
-after a draft is then the argmax of the logits there, which the step computes for
-drafts alone (step.py). Other requests decode one token a step, as before.
+Requests without penalties, logit bias or logprobs get drafts, greedy or sampled: the
+token after each draft is then drawn from the logits there as the row's own token is,
+which the step does for drafts alone (step.py), and a draft is kept while it equals the
+token drawn before it: for a sampled request, rejection sampling. Other requests decode
+one token a step, as before.
 """
 
 from dataclasses import dataclass, field
@@ -21,10 +23,11 @@ from jaxserve.host.request import Request
 
 def takes_drafts(params: SamplingParams) -> bool:
     """Whether the step can verify drafts for a request sampled so: its next token must be
-    the plain argmax of the model's logits, and it must want no logprobs of them."""
-    return (params.temperature == 0 and params.presence_penalty == 0
-            and params.frequency_penalty == 0 and params.repetition_penalty == 1
-            and not params.logit_bias and params.logprobs is None)
+    drawn from the model's logits as they are (no penalties, which the tokens before it
+    change, and no logit bias), and it must want no logprobs of them."""
+    return (params.presence_penalty == 0 and params.frequency_penalty == 0
+            and params.repetition_penalty == 1 and not params.logit_bias
+            and params.logprobs is None)
 
 
 @dataclass(slots=True)

@@ -55,11 +55,11 @@ class StepOutput:
         )
 
     def verified(self, drafts: list[Sequence[int]], after: list[Sequence[int]]) -> "StepOutput":
-        """Greedy verification of each row's `drafts`, given `after`, the model's greedy
-        token after each of them: a row keeps its sampled token, then each draft that
-        equals the model's token before it and the model's token after that draft, so
-        its tokens are those that decoding one at a time would give. Tokens past the
-        first have no logprobs (rows with drafts ask for none)."""
+        """Verification of each row's `drafts`, given `after`, the token the step drew after
+        each of them: a row keeps its sampled token, then each draft that equals the
+        token drawn before it and the token drawn after that draft, so its tokens are
+        those that decoding one at a time would give (step.py's `_step`). Tokens past
+        the first have no logprobs (rows with drafts ask for none)."""
         k = 1 + max(map(len, drafts), default=0)
         tokens = np.zeros((len(drafts), k), np.int32)
         tokens[:, 0] = self.tokens[:, 0]
