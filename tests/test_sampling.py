@@ -1,11 +1,14 @@
 """On-device sampling: filters, temperature, per-row seeds, penalties and logprobs."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from jaxserve.config import MAX_LOGIT_BIAS, MAX_LOGPROBS
+from jaxserve.device import sampling
 from jaxserve.device.sampling import (
     SamplingTensors,
     any_logit_bias,
@@ -88,6 +91,49 @@ def test_filters_never_leave_the_allowed_set():
         # top-p 0.7 keeps {0, 1}; min-p 0.25 keeps tokens with p >= 0.125: {0, 1, 2}
         assert int(sample(logits, rows(1, top_p=0.7, seeds=[seed]))[0]) in (0, 1)
         assert int(sample(logits, rows(1, min_p=0.25, seeds=[seed]))[0]) in (0, 1, 2)
+
+
+def reference_keep(x: np.ndarray, k: int, p: float) -> np.ndarray:
+    """The tokens top-k then top-p keep of one row, by a full sort in float64: the k most
+    likely and those tied with the k-th, then, renormalized among those, each token whose
+    more likely tokens hold less than p of the mass."""
+    x = x.astype(np.float64)
+    keep = x >= np.sort(x)[::-1][k - 1] if 0 < k < len(x) else np.ones(len(x), bool)
+    if p >= 1:
+        return keep
+    w = np.where(keep, np.exp(x - x.max()), 0.0)
+    greater = np.array([w[x > v].sum() for v in x])
+    return keep & (greater < p * w.sum())
+
+
+@pytest.mark.parametrize("path", ["candidates", "bisected"])
+def test_top_k_and_top_p_keep_what_a_full_sort_keeps(path, monkeypatch):
+    """The cut keeps the tokens a full sort keeps: ties at the k-th kept together, top-p
+    renormalized after top-k, rows of each kind in one batch. Sought among the most likely
+    tokens where it lies there (the bisection broken, to show it is not taken), or by
+    bisection over the vocabulary (every row's cut beyond 4 candidates; a nearly flat row
+    whose top-p keeps most of the vocabulary)."""
+    rng = np.random.default_rng(3)
+    vocab = 3000
+    x = rng.standard_normal((8, vocab)).astype(np.float32) * 3
+    x[1] = np.round(x[1])  # many ties, at every cut
+    x[2, :40] = 10.0  # a tie group of 40
+    settings = [(0, 0.9), (50, 1.0), (3, 1.0), (0, 0.5), (100, 0.9), (0, 0.8), (1, 1.0),
+                (5000, 0.7)]
+    if path == "candidates":  # each cut among the 256 most likely
+        monkeypatch.setattr(sampling, "_bisected_cut",
+                            lambda scaled, *_: jnp.full(scaled.shape[:1], jnp.nan))
+    else:
+        monkeypatch.setattr(sampling, "CUT_CANDIDATES", 4)
+        x[3] *= 0.01  # nearly flat
+        settings[5] = (0, 0.99)  # 724 tokens
+    params = dataclasses.replace(rows(8), top_k=np.array([k for k, _ in settings], np.int32),
+                                 top_p=np.array([p for _, p in settings], np.float32))
+    # a fresh function: jit's cache would keep the other variant's trace
+    cut = np.asarray(jax.jit(lambda x, params: sampling._cut(x, params))(jnp.asarray(x), params))
+    for row, (k, p) in enumerate(settings):
+        np.testing.assert_array_equal(x[row] >= cut[row], reference_keep(x[row], k, p),
+                                      err_msg=f"row {row}: top_k {k}, top_p {p}")
 
 
 def test_frequencies_follow_softmax():
