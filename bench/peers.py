@@ -2,11 +2,12 @@
 
     .venv/bin/python bench/peers.py [--peers jaxserve,vllm,vllm-default,llama-server,...]
         [--workloads short,mixed] [--concurrency 1,4,16] [--repeats 2]
-        [--out bench/results/peers.json]
+        [--temperature 0 --top-p 1] [--out bench/results/peers.json]
     .venv/bin/python bench/peers.py --quick     # concurrency 1,2; 1 repeat; 16 + 8 tokens
 
 Workloads, each at every concurrency C, through bench/serve.py's client (streamed, closed
-loop: C requests in flight, temperature 0, `ignore_eos`), the same prompts for every system:
+loop: C requests in flight, temperature 0 unless `--temperature` and `--top-p` are given,
+`ignore_eos`), the same prompts for every system:
 - short: 128-token prompts, 64 tokens out, C × --rounds requests;
 - mixed: 100-300-token prompts (seed 0), 128 tokens out, --mixed-requests requests.
 
@@ -345,14 +346,15 @@ def run_transformers(model_path: Path, workloads: dict[int, Workload]) -> dict:
         t0 = time.perf_counter()
         for i in range(0, len(requests), concurrency):
             batch = requests[i : i + concurrency]
-            outcomes += _static_batch(model, tokenizer, pad, batch, t0)
+            outcomes += _static_batch(model, tokenizer, pad, batch, t0, workload)
         duration = max(o.end for o in outcomes)
         report = summarize_outcomes(outcomes, duration, workload)
         results[str(concurrency)] = {k: v for k, v in report.items() if k != "timeline"}
     return results
 
 
-def _static_batch(model, tokenizer, pad: int, batch: list[tuple[str, int]], t0: float):
+def _static_batch(model, tokenizer, pad: int, batch: list[tuple[str, int]], t0: float,
+                  workload: Workload):
     """One `generate` call over the batch; an Outcome per request from per-step stamps."""
     import torch
     import transformers
@@ -370,7 +372,9 @@ def _static_batch(model, tokenizer, pad: int, batch: list[tuple[str, int]], t0: 
     sent = time.perf_counter() - t0
     with torch.inference_mode():
         model.generate(
-            **encoded, max_new_tokens=longest, min_new_tokens=longest, do_sample=False,
+            **encoded, max_new_tokens=longest, min_new_tokens=longest,
+            **({"do_sample": True, "temperature": workload.temperature, "top_p": workload.top_p}
+               if workload.temperature > 0 else {"do_sample": False}),
             stopping_criteria=transformers.StoppingCriteriaList([Stamp()]), pad_token_id=pad,
         )
     prompt_lengths = encoded["attention_mask"].sum(dim=1).tolist()
@@ -479,8 +483,11 @@ def markdown(report: dict) -> str:
         results = {p: {"status": r["status"], "levels": r.get("medians", {}).get(name)}
                    for p, r in report["peers"].items()}
         table, _ = ratio_rows(results, w["concurrency"])
+        sampled = (f", temperature {w['temperature']}, top-p {w['top_p']}"
+                   if w.get("temperature") else ", greedy")
         parts.append(f"## {name}: prompts {spec['prompt_tokens']} tokens, "
-                     f"{spec['output_tokens']} out, {spec['requests']} requests per level\n\n"
+                     f"{spec['output_tokens']} out, {spec['requests']} requests per level"
+                     f"{sampled}\n\n"
                      + markdown_table(table[0], table[1:]))
     down = [f"- {p}: unavailable: {r['reason']}" for p, r in report["peers"].items()
             if r["status"] != "ok"]
@@ -502,6 +509,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2, help="runs of every system (medians)")
     parser.add_argument("--once", default="", help="systems run in the first pass only")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help="sample at this temperature (0: greedy)")
+    parser.add_argument("--top-p", type=float, default=1.0, help="with top-p (1: off)")
     parser.add_argument("--quick", action="store_true",
                         help="tiny: concurrency 1,2 / 1 repeat / 16 + 8 tokens")
     parser.add_argument("--no-install", action="store_true", help="never install a peer")
@@ -525,7 +535,8 @@ def main() -> None:
                 "mixed": dict(zip(levels, mixed * len(levels) if len(mixed) == 1 else mixed))}
     workloads = {
         n: {c: Workload(requests=requests[n][c], concurrency=c, prompt_tokens=lengths[n][0],
-                        output_tokens=lengths[n][1], seed=args.seed) for c in levels}
+                        output_tokens=lengths[n][1], seed=args.seed,
+                        temperature=args.temperature, top_p=args.top_p) for c in levels}
         for n in names
     }
     once = {p.strip() for p in args.once.split(",") if p.strip()}
@@ -559,6 +570,7 @@ def main() -> None:
         "gguf": str(args.gguf),
         "workload": {
             "names": names, "concurrency": levels, "repeats": args.repeats, "seed": args.seed,
+            "temperature": args.temperature, "top_p": args.top_p,
             "workloads": {n: {"prompt_tokens": str(lengths[n][0]),
                               "output_tokens": str(lengths[n][1]),
                               "requests": ", ".join(f"{requests[n][c]} at {c}" for c in levels)}

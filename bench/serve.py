@@ -4,6 +4,7 @@
         [--rate 4 | --concurrency 8] [--requests 200] [--duration 60]
         [--prompt-tokens 256 | 128:512] [--output-tokens 128 | 32:256]
         [--shared-prefix-tokens 0] [--ttft-slo-ms 1000] [--tpot-slo-ms 100]
+        [--temperature 0] [--top-p 1]
         [--out bench/results/serve.json]
 
 Arrivals: `--rate R` sends requests at Poisson times (R a second on average) whether or not
@@ -17,8 +18,9 @@ in Llama/SmolLM2-style BPE vocabularies, so a prompt of n words is about n token
 is `N` (every request N) or `MIN:MAX` (uniform). `--shared-prefix-tokens P` makes the first
 P of each prompt's tokens the same for every request. Several model names (a base model
 and its LoRA adapters) are taken in turn, request by request. Requests are streaming
-/v1/completions with temperature 0, `ignore_eos` and `min_tokens` = max_tokens, so outputs
-run to max_tokens on servers that honour either (`--no-ignore-eos`: send neither).
+/v1/completions with temperature 0 (or `--temperature`, and `--top-p`, as chat clients send
+them), `ignore_eos` and `min_tokens` = max_tokens, so outputs run to max_tokens on servers
+that honour either (`--no-ignore-eos`: send neither).
 
 Metrics, per request then p50/p95/p99 over the completed ones:
 - TTFT: request sent → first chunk carrying text.
@@ -97,6 +99,8 @@ class Workload:
     ignore_eos: bool = True
     timeout_s: float = 600.0  # per request
     seed: int = 0
+    temperature: float = 0.0  # 0: greedy
+    top_p: float = 1.0  # 1: off (not sent)
 
     def __post_init__(self) -> None:
         if self.requests is None and self.duration_s is None:
@@ -238,7 +242,8 @@ async def _drive(
                 "model": next(names),
                 "prompt": prompt,
                 "max_tokens": max_tokens,
-                "temperature": 0.0,
+                "temperature": workload.temperature,
+                **({"top_p": workload.top_p} if workload.top_p < 1 else {}),
                 "stream": True,
                 "stream_options": {"include_usage": True},
             }
@@ -464,6 +469,8 @@ def main() -> None:
                         help="send neither ignore_eos nor min_tokens")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    parser.add_argument("--top-p", type=float, default=1.0, help="1: off")
     parser.add_argument("--out", type=Path, default=RESULTS / "serve.json")
     parser.add_argument("--no-plots", action="store_true")
     parser.add_argument("--no-progress", action="store_true")
@@ -482,6 +489,8 @@ def main() -> None:
             ignore_eos=not args.no_ignore_eos,
             timeout_s=args.timeout,
             seed=args.seed,
+            temperature=args.temperature,
+            top_p=args.top_p,
         )
     except ValueError as err:
         parser.error(str(err))

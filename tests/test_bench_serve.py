@@ -88,13 +88,16 @@ def test_fixed_concurrency_with_impossible_slos_has_no_goodput(tiny_server):
 
 
 @contextlib.contextmanager
-def scripted_server():
+def scripted_server(bodies: list | None = None):
     """A server that answers request n (in arrival order) with 200 + a stream of 3 text
-    chunks when n % 3 == 0, 429 when n % 3 == 1 and 500 when n % 3 == 2."""
+    chunks when n % 3 == 0, 429 when n % 3 == 1 and 500 when n % 3 == 2; each request's
+    body is added to `bodies`."""
     arrivals = itertools.count()
 
     async def completions(request: web.Request) -> web.StreamResponse:
         n = next(arrivals)
+        if bodies is not None:
+            bodies.append(await request.json())
         if n % 3:
             status = 429 if n % 3 == 1 else 500
             return web.json_response({"error": {"message": "no"}}, status=status)
@@ -132,6 +135,16 @@ def test_429s_and_errors_are_counted_apart():
     assert (report["num_completed"], report["num_429"], report["num_errors"]) == (3, 3, 3)
     assert report["output_tokens"] == 9 and report["prompt_tokens"] == 15
     assert next(iter(report["errors"])).startswith("HTTP 500")
+
+
+def test_requests_are_greedy_unless_a_temperature_and_top_p_are_given():
+    bodies = []
+    with scripted_server(bodies) as url:
+        serve.run(url, "m", serve.Workload(requests=2, concurrency=1), progress=False)
+        serve.run(url, "m", serve.Workload(requests=2, concurrency=1, temperature=0.7,
+                                           top_p=0.9), progress=False)
+    assert [(b["temperature"], b.get("top_p")) for b in bodies] == [
+        (0.0, None), (0.0, None), (0.7, 0.9), (0.7, 0.9)]
 
 
 def test_refused_and_failed_requests_are_counted(tiny_server):
