@@ -20,6 +20,7 @@ from jaxserve.checkpoint.tokenizer import Tokenizer
 from jaxserve.cli import _speculative_config
 from jaxserve.device import runner as runner_module
 from jaxserve.device.batch import pack_step
+from jaxserve.host import ngram
 from jaxserve.host.buckets import draft_logits
 from jaxserve.host.ngram import NgramProposer
 from jaxserve.host.plan import Chunk
@@ -60,7 +61,8 @@ def test_the_lookup_drafts_what_followed_the_latest_longest_match():
     assert proposer.propose(request([7, 7, 7])) == (7,)  # only one token followed it
 
 
-def test_the_index_grows_with_the_request_and_matches_a_brute_force_lookup():
+def test_the_index_grows_with_the_request_and_matches_a_brute_force_lookup(monkeypatch):
+    monkeypatch.setattr(ngram, "ACCEPTANCE_FLOOR", -1.0)  # random tokens follow no draft
     rng = random.Random(0)
     for sizes in ((4, 3, 2), (1,)):
         proposer = NgramProposer(3, sizes[-1], sizes[0])
@@ -82,6 +84,30 @@ def test_requests_with_logprobs_penalties_or_a_bias_get_no_drafts(params):
     assert NgramProposer(3, 2, 4).propose(request(REPEATS, params)) == ()
     for drafted in (GREEDY, SamplingParams(temperature=0.7, top_k=5, top_p=0.9, min_p=0.1)):
         assert NgramProposer(3, 2, 4).propose(request(REPEATS, drafted)) == (5, 6, 7)
+
+
+def test_a_request_whose_drafts_are_not_followed_drafts_only_to_probe():
+    """A draft the model does not follow stops a request's drafts (its moving share of
+    drafts followed falls below ACCEPTANCE_FLOOR) except one every PROBE_EVERY tokens; a
+    followed probe starts them again; a request whose drafts are followed keeps drafting."""
+    proposer = NgramProposer(3, 2, 4)
+    r = request(REPEATS)
+    assert proposer.propose(r) == (5, 6, 7)
+    r.token_ids += [1]  # not the draft's 5
+    drafts = []
+    while len(r.token_ids) % ngram.PROBE_EVERY:
+        drafts.append(proposer.propose(r))
+        r.token_ids += [5]  # one token a step, as without drafts
+    assert drafts == [()] * len(drafts) and len(drafts) >= 3
+    probe = proposer.propose(r)
+    assert probe
+    r.token_ids += list(probe) + [probe[0]]  # followed: drafting again
+    assert proposer.propose(r)
+    followed = request(REPEATS)  # the model goes on repeating it
+    for _ in range(10):
+        draft, n = proposer.propose(followed), len(followed.token_ids)
+        assert draft
+        followed.token_ids += [REPEATS[i % 5] for i in range(n, n + len(draft) + 1)]
 
 
 def test_a_bucket_verifies_the_drafts_its_tokens_hold_beyond_one_a_row():
