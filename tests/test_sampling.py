@@ -136,6 +136,24 @@ def test_top_k_and_top_p_keep_what_a_full_sort_keeps(path, monkeypatch):
                                       err_msg=f"row {row}: top_k {k}, top_p {p}")
 
 
+def test_rows_from_n_on_are_greedy_and_unfiltered_and_skip_the_bisection(monkeypatch):
+    """A step's padding drafts (rows from `n` on, zero logits) draw greedily: a top-p row's
+    parameters there would find no cut among a flat row's candidates and send every row of
+    the step to the bisection, which is broken here to show it is not taken."""
+    monkeypatch.setattr(sampling, "_bisected_cut",
+                        lambda scaled, *_: jnp.full(scaled.shape[:1], jnp.nan))
+    monkeypatch.setattr(sampling, "CUT_CANDIDATES", 4)  # top-k 3's cut among them
+    params = rows(4, temperature=0.8, top_k=3, top_p=0.9, min_p=0.1, seeds=[1, 2, 3, 4])
+    padded = params.greedy_from(jnp.int32(2))
+    np.testing.assert_array_equal(padded.temperature, np.float32([0.8, 0.8, 0, 0]))
+    np.testing.assert_array_equal(padded.top_k, [3, 3, 0, 0])
+    np.testing.assert_array_equal(padded.top_p, np.float32([0.9, 0.9, 1, 1]))
+    logits = jnp.asarray(np.asarray(LOGITS).copy()).at[2:].set(0.0)
+    got = jax.jit(lambda x, p: sampling.sample(x, p))(logits, padded)
+    assert got[2:].tolist() == [0, 0]  # argmax of a flat row: its first token
+    assert got[:2].tolist() == sample(LOGITS[:2], rows(2, 0.8, 3, 0.9, 0.1, [1, 2])).tolist()
+
+
 def test_frequencies_follow_softmax():
     n = 4000
     logits = jnp.repeat(jnp.log(jnp.array([[0.6, 0.3, 0.1]])), n, axis=0)

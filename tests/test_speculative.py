@@ -131,6 +131,9 @@ def test_the_step_takes_logits_at_each_rows_last_real_token_then_at_its_drafts()
     # draft's place in the row (a decode's token after 7 generated is drawn with 7)
     assert inputs.draft_rows.tolist() == [0, 0, 2, 2, 2, 0]
     assert inputs.draft_counters.tolist() == [1, 2, 8, 9, 10, 0]
+    # the logits computed: the rows' and the 5 real drafts' (the padding draft's are zeros)
+    assert inputs.metadata.num_logits.tolist() == [4 + 5]
+    assert pack_step(chunks[1:2], 16, 16, 4, 4, 4).metadata.num_logits is None
     with pytest.raises(ValueError, match="5 draft tokens exceed the step's 4"):
         pack_step(chunks, 16, 16, 4, 4, 4, num_draft_logits=4)
 

@@ -130,6 +130,7 @@ def pack_step(
     metadata = AttentionMetadata(
         seq_ids, slot_mapping, page_table, cu_q_lens, kv_lens, logits_indices, attention_backend,
         is_prompt,
+        np.array([num_rows + num_drafts], np.int32) if num_draft_logits else None,
     )
     draft_rows = np.zeros(num_draft_logits, np.int32)
     draft_rows[:num_drafts] = np.repeat(np.arange(n, dtype=np.int32), drafts)

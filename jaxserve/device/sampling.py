@@ -47,6 +47,15 @@ class SamplingTensors:
                  if f.name not in ("prompt_rows", "counters")}
         return dataclasses.replace(self, **taken, counters=counters)
 
+    def greedy_from(self, n: jax.Array) -> "SamplingTensors":
+        """These parameters with rows `n` (i32[]) and after greedy and unfiltered: a step's
+        padding drafts, whose logits are zeros, where a row's top-k or top-p would find no
+        cut among a flat row's candidates and send the step to `_bisected_cut`."""
+        past = jnp.arange(self.temperature.shape[0]) >= n
+        return dataclasses.replace(
+            self, temperature=jnp.where(past, 0.0, self.temperature),
+            top_k=jnp.where(past, 0, self.top_k), top_p=jnp.where(past, 1.0, self.top_p))
+
 
 @jax.tree_util.register_dataclass
 @dataclass(frozen=True, slots=True)

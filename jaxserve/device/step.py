@@ -135,7 +135,8 @@ def _step(
     results = _results(logits, tokens, params.logprobs)
     if draft_logits.shape[0]:  # drafts come only with rows without penalties, logit
         # bias or logprobs (host/ngram.py)
-        draws = params.at_rows(inputs.draft_rows, inputs.draft_counters)
+        draws = params.at_rows(inputs.draft_rows, inputs.draft_counters).greedy_from(
+            inputs.metadata.num_logits[0] - num_rows)
         after = sample(draft_logits, draws).astype(results.dtype)
         results = jnp.concatenate(
             [results, jnp.zeros((after.shape[0], results.shape[1])).at[:, 0].set(after)])

@@ -22,6 +22,7 @@ from jaxserve.models.interface import ModelSpec, WeightRule, register_model
 from jaxserve.models.layers import (
     LoraGroup,
     Norm,
+    PackedWeight,
     linear,
     linear_group,
     lora_terms,
@@ -171,6 +172,8 @@ class LlamaForCausalLM(nnx.Module):
         x, kv_cache = self.layers(x, positions, kv_cache, metadata, adapters)
         # tied: the embedding's transpose, unless a packed copy was added (weights.py)
         head = self.lm_head.get_value() if hasattr(self, "lm_head") else self.embed[...].T
+        if isinstance(head, PackedWeight) and metadata.num_logits is not None:
+            head = dataclasses.replace(head, live=metadata.num_logits[0])  # no padding drafts
         logits = linear(x[metadata.logits_indices], head,
                         Norm(self.norm[...], self.config.rms_norm_eps))
         return logits.astype(jnp.float32), kv_cache
