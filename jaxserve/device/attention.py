@@ -88,8 +88,8 @@ class AttentionMetadata:
     # kernel takes those on AMX, see cpu_paged_attention); None: every row as generated
     is_prompt: jax.Array | None = None
     # i32[1], where the step has draft logits (speculative decoding): logits_indices'
-    # first entries computed, the rows' and then the real drafts'; the padding drafts'
-    # after them get zero logits (a packed head leaves them uncomputed: 16 decodes in a
+    # first entries that matter, the rows' and then the real drafts'; a packed head leaves
+    # the padding drafts' after them uncomputed, zeros (16 decodes in a
     # (64, 16) step took 58-63 ms computing 48 padding drafts' logits, 51-52 without, on a
     # Zen 4; 30 in a (16, 16) one). None: all.
     num_logits: jax.Array | None = None

@@ -49,8 +49,9 @@ class SamplingTensors:
 
     def greedy_from(self, n: jax.Array) -> "SamplingTensors":
         """These parameters with rows `n` (i32[]) and after greedy and unfiltered: a step's
-        padding drafts, whose logits are zeros, where a row's top-k or top-p would find no
-        cut among a flat row's candidates and send the step to `_bisected_cut`."""
+        padding drafts, whose tokens are never read. A packed head leaves their logits
+        zeros, where a row's top-k or top-p would find no cut among a flat row's candidates
+        and send the step to `_bisected_cut`."""
         past = jnp.arange(self.temperature.shape[0]) >= n
         return dataclasses.replace(
             self, temperature=jnp.where(past, 0.0, self.temperature),
