@@ -154,6 +154,24 @@ def test_rows_from_n_on_are_greedy_and_unfiltered_and_skip_the_bisection(monkeyp
     assert got[:2].tolist() == sample(LOGITS[:2], rows(2, 0.8, 3, 0.9, 0.1, [1, 2])).tolist()
 
 
+@pytest.mark.parametrize("n", [12, 48, 3])  # 3 chunks of 4, 6 of 8, 3 of 1
+def test_drafts_drawn_a_chunk_at_a_time_are_what_one_draw_gives(n):
+    """`sample_from` draws rows [first, first + n) in chunks: each row the token that
+    `sample` gives it over all n at once, whichever chunk holds it and whatever its
+    chunk's other rows ask for (greedy, temperature, top-k, top-p, min-p)."""
+    first, vocab = 5, 300
+    logits = jax.random.normal(jax.random.PRNGKey(3), (first + n, vocab)) * 3
+    kinds = [{"temperature": 0.0}, {"temperature": 0.9}, {"temperature": 0.7, "top_k": 5},
+             {"temperature": 1.2, "top_p": 0.8}, {"temperature": 0.8, "min_p": 0.2}]
+    each = [rows(1, seeds=[i], counters=[i + 2], **kinds[i % len(kinds)]) for i in range(n)]
+    params = SamplingTensors(**{
+        f.name: np.concatenate([getattr(r, f.name) for r in each])
+        for f in dataclasses.fields(SamplingTensors)})
+    got = jax.jit(lambda x, p: sampling.sample_from(x, first, p))(logits, params)
+    assert got.tolist() == sample(logits[first:], params).tolist()
+    assert len(set(got.tolist())) > 1
+
+
 def test_frequencies_follow_softmax():
     n = 4000
     logits = jnp.repeat(jnp.log(jnp.array([[0.6, 0.3, 0.1]])), n, axis=0)

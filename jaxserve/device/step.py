@@ -41,6 +41,7 @@ from jaxserve.device.sampling import (
     record_prompt,
     resolve_pending,
     sample,
+    sample_from,
     token_logprobs,
 )
 from jaxserve.device.sharding import DATA, Layout, on_any_shard
@@ -118,7 +119,7 @@ def _step(
     )
     params = inputs.sampling
     num_rows = params.temperature.shape[0]
-    logits, draft_logits = logits[:num_rows], logits[num_rows:]
+    all_logits, logits = logits, logits[:num_rows]  # the rows', then the drafts'
     # a step without logit_bias leaves the logits alone: the biased copy costs every row
     biased = jax.lax.cond(
         any_logit_bias(params), apply_logit_bias, lambda lg, _: lg, logits, params
@@ -133,11 +134,11 @@ def _step(
     row_state = jax.lax.cond(active, record_output, lambda pn, *_: pn, row_state, params, tokens)
     row_state = record_last(row_state, params, tokens)
     results = _results(logits, tokens, params.logprobs)
-    if draft_logits.shape[0]:  # drafts come only with rows without penalties, logit
-        # bias or logprobs (host/ngram.py)
+    if all_logits.shape[0] > num_rows:  # drafts come only with rows without penalties,
+        # logit bias or logprobs (host/ngram.py)
         draws = params.at_rows(inputs.draft_rows, inputs.draft_counters).greedy_from(
             inputs.metadata.num_logits[0] - num_rows)
-        after = sample(draft_logits, draws).astype(results.dtype)
+        after = sample_from(all_logits, num_rows, draws).astype(results.dtype)
         results = jnp.concatenate(
             [results, jnp.zeros((after.shape[0], results.shape[1])).at[:, 0].set(after)])
     return results, kv_cache, row_state
