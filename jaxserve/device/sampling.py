@@ -9,6 +9,7 @@ one running sequence).
 
 import dataclasses
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import jax
@@ -40,13 +41,17 @@ class SamplingTensors:
     bias_ids: jax.Array  # i32[num_rows, MAX_LOGIT_BIAS] logit_bias tokens; padding 0
     bias_values: jax.Array  # f32[num_rows, MAX_LOGIT_BIAS] added to those logits; padding 0
 
+    def map_rows(self, fn: Callable[[jax.Array], jax.Array]) -> "SamplingTensors":
+        """These parameters with `fn` applied to each per-row field (every one but
+        prompt_rows, a token's, which is left as it is)."""
+        return dataclasses.replace(self, **{
+            f.name: fn(getattr(self, f.name)) for f in dataclasses.fields(self)
+            if f.name != "prompt_rows"})
+
     def at_rows(self, rows: jax.Array, counters: jax.Array) -> "SamplingTensors":
         """The parameters of rows `rows` (i32[n]), one entry each, with `counters` as
-        theirs: what `sample` draws by at other logits of those rows (a step's drafts).
-        prompt_rows, a token's, is left as it is."""
-        taken = {f.name: getattr(self, f.name)[rows] for f in dataclasses.fields(self)
-                 if f.name not in ("prompt_rows", "counters")}
-        return dataclasses.replace(self, **taken, counters=counters)
+        theirs: what `sample` draws by at other logits of those rows (a step's drafts)."""
+        return dataclasses.replace(self.map_rows(lambda a: a[rows]), counters=counters)
 
     def greedy_from(self, n: jax.Array) -> "SamplingTensors":
         """These parameters with rows `n` (i32[]) and after greedy and unfiltered: a step's
@@ -251,14 +256,11 @@ def sample_from(logits: jax.Array, first: int, params: SamplingTensors) -> jax.A
     would."""
     n = logits.shape[0] - first
     chunk = math.gcd(n, DRAFT_CHUNK)
-    per_row = {f.name: getattr(params, f.name) for f in dataclasses.fields(params)
-               if f.name != "prompt_rows"}
 
     def draw(i):
         at = i * chunk
-        rows = {name: jax.lax.dynamic_slice_in_dim(a, at, chunk) for name, a in per_row.items()}
         return sample(jax.lax.dynamic_slice_in_dim(logits, first + at, chunk),
-                      dataclasses.replace(params, **rows))
+                      params.map_rows(lambda a: jax.lax.dynamic_slice_in_dim(a, at, chunk)))
 
     return jax.lax.map(draw, jnp.arange(n // chunk)).reshape(n)
 
