@@ -100,8 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument(
         "--heap-trim-interval-s", type=float, default=10.0,
         help="return the C heap's free pages to the OS this often, so RSS follows what is "
-        "held (glibc's malloc_trim and each thread arena's free top, a few ms on a worker "
-        "thread); 0: never",
+        "held (glibc's malloc_trim, a few ms on a worker thread); 0: never",
     )
     serve.add_argument(
         "--shared-prefix-cache",

@@ -1,39 +1,31 @@
-"""Keep a long-lived server's RSS following what it holds rather than the most it ever
-held: few malloc arenas, and their free pages given back to the OS now and then.
+"""Keep a served step's buffers mapped between steps, and a long-lived server's RSS
+following what it holds rather than the most it ever held: one malloc arena that never
+maps a block of its own, and its free pages given back to the OS now and then.
 
-glibc's malloc keeps freed memory in its arenas (one per thread that allocated: the
-event loop, the engine, XLA's and aiohttp's workers), fragmented between live blocks;
-it returns a page to the OS only when the top of an arena is free. Under mixed load
-(bursts, long prompts, disconnects) the soak saw the RSS floor creep up ~11 MiB a
-minute with no live object growing (bench/results/NOTES.md). `malloc_trim(0)` walks
-every arena and releases (madvise) each whole free page in it, and the main arena's top;
-it takes a few milliseconds, on a worker thread, every `interval_s`.
+Each step XLA allocates its temporary buffers afresh (posix_memalign, on the thread that
+runs the step), tens of MiB: 18 at the default 16 rows, 72 at `--max-batch 64`. glibc
+serves a block past its mmap threshold (32 MiB at most) with a mapping of its own and
+unmaps it at the free, and a thread's arena grows in heaps of 64 MiB at most, so such a
+block is mapped afresh whatever the thresholds: a 64-row decode step faulted ~10
+thousand pages back in every step (73 against 60 ms; served c=64 with `--max-batch 64`
+1.13x the throughput once they stayed; bench/results/NOTES.md). Below the ceiling a
+thread arena's emptied heap was unmapped as well (150-580 thousand faults in a served
+c=16 run, ~5 % of its throughput). So the server keeps glibc to its main arena, which
+grows by brk without that cap, maps no block of its own (M_MMAP_MAX 0), and trims the
+arena's top only past 1 GiB: a step's temporaries come from memory the steps before
+faulted in. One arena also held the RSS ~130 MiB below two and flatter under the soak;
+served c=16 was level with two arenas (3 alternated rounds).
 
-A thread arena's top it leaves resident: glibc trims that only when a free in the arena
-leaves the top over the trim threshold, which its dynamic scheme raises to 64 MiB, as
-large as a thread arena's heap, so never. The soak's RSS moved by that top's few MiB
-from one quiet point to the next (up to 4.8 MiB, each move in that heap). A fixed 2 MiB
-threshold cost ~10 % of a served c=16 run (each step faulted its buffers in again), so
-the threshold is lowered only for a moment, every `interval_s`: a fresh thread, which
-malloc attaches to one of the arenas in turn, frees a block there (`_free_in_an_arena`),
-and that free trims its arena's top.
-
-Trimming alone still let the 5-minute soak's RSS floor creep up 1.6 MiB a minute: each
-of the ~20 threads that allocate (XLA's pool, aiohttp's executor) gets an arena of its
-own, up to 8 per core, each with its own fragments and high-water mark. Two arenas
-(`configure_malloc`, glibc's M_ARENA_MAX, as MALLOC_ARENA_MAX=2 would) kept it flat (0.03
-MiB/min in the same soak, bench/results/NOTES.md) at no cost in step time: the engine's
-step allocates little on the host; XLA's buffers are large and few. One arena (everything
-trimmable) kept the RSS flatter still but cost ~8 % of a served c=16 run's throughput.
-
-Each step XLA allocates its temporary buffers afresh (tens of MiB, under the mmap
-threshold, so from the executing thread's arena). Where that arena's heap (64 MiB at most)
-had no room, malloc mapped a new heap for them, and the free that emptied it unmapped it
-again (glibc keeps an empty heap only while the heap before it has less than M_TOP_PAD
-free): a served c=16 run did so ~200-600 times, and its steps faulted 150-580 thousand
-pages back in, ~5 % of its throughput (bench/results/NOTES.md). A 64 MiB top pad keeps
-such a heap mapped; `release_free_pages` lowers it for a moment, as it does the trim
-threshold.
+glibc's malloc keeps freed memory in its arena, fragmented between live blocks; it
+returns a page to the OS only when the arena's top is trimmed. Under mixed load (bursts,
+long prompts, disconnects) the soak saw the RSS floor creep up ~11 MiB a minute with no
+live object growing (bench/results/NOTES.md). `malloc_trim(0)` releases (madvise) each
+whole free page of every arena and the main arena's top; it takes a few milliseconds, on
+a worker thread, every `interval_s`. Where the operator asks for more arenas
+(MALLOC_ARENA_MAX), a thread arena's top is trimmed only by a free that leaves it over
+the threshold: for the moment of the release the threshold is 0 and a fresh thread,
+which malloc attaches to one of the arenas in turn, frees a block in each
+(`_free_in_an_arena`).
 """
 
 import asyncio
@@ -47,21 +39,16 @@ import threading
 log = logging.getLogger(__name__)
 
 # glibc's mallopt parameters, the environment variables that set them, and the values
-# the server sets where the operator set none: two arenas, the mmap and trim thresholds
-# fixed at the ceilings glibc's dynamic scheme reaches on a 64-bit machine within the
-# first steps (setting one fixes both; served c=16 against the dynamic scheme without the
-# top's release: 0.975, median of 8 alternated rounds, 0.91-1.02: noise here), and a top
-# pad that keeps a thread arena's emptied heap mapped (the module's docstring).
-M_TRIM_THRESHOLD, M_TOP_PAD, M_MMAP_THRESHOLD, M_ARENA_MAX = -1, -2, -3, -8
+# the server sets where the operator set none (the module's docstring). Setting any of
+# them also stops glibc's dynamic thresholds.
+M_TRIM_THRESHOLD, M_MMAP_MAX, M_ARENA_MAX = -1, -4, -8
 SETTINGS = (
-    (M_ARENA_MAX, "MALLOC_ARENA_MAX", 2),
-    (M_MMAP_THRESHOLD, "MALLOC_MMAP_THRESHOLD_", 32 << 20),
-    (M_TRIM_THRESHOLD, "MALLOC_TRIM_THRESHOLD_", 64 << 20),
-    (M_TOP_PAD, "MALLOC_TOP_PAD_", 64 << 20),
+    (M_ARENA_MAX, "MALLOC_ARENA_MAX", 1),
+    (M_MMAP_MAX, "MALLOC_MMAP_MAX_", 0),
+    (M_TRIM_THRESHOLD, "MALLOC_TRIM_THRESHOLD_", 1 << 30),
 )
 # a block freed to trim its arena's top: past glibc's 64 KiB consolidation threshold,
-# below which a free does not trim, and under the mmap threshold, past which it is no
-# arena's
+# below which a free does not trim
 PROBE_BYTES = 96 << 10
 
 
@@ -133,23 +120,25 @@ def _free_in_an_arena(malloc, free) -> None:
 
 def release_free_pages() -> bool:
     """Give the OS every whole free page of every arena, their tops included; False
-    without glibc. Every other thread allocates on as it was meanwhile: for the moment
-    the threshold and the pad are 0, a free elsewhere that reaches a top trims it too."""
+    without glibc. With thread arenas (the operator's MALLOC_ARENA_MAX), every other
+    thread allocates on as it was meanwhile: for the moment the threshold is 0, a free
+    elsewhere that reaches a top trims it too."""
     trim, mallopt = _glibc("malloc_trim"), _mallopt()
     malloc, free = _glibc("malloc"), _glibc("free")
     if None in (trim, mallopt, malloc, free):
         return False
     trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+    trim(0)  # the main arena's top too
+    arenas = _setting(M_ARENA_MAX)
+    if arenas == 1:
+        return True
     malloc.argtypes, malloc.restype = [ctypes.c_size_t], ctypes.c_void_p
     free.argtypes, free.restype = [ctypes.c_void_p], None
-    trim(0)
     mallopt(M_TRIM_THRESHOLD, 0)
-    mallopt(M_TOP_PAD, 0)
     try:
-        for _ in range(2 * _setting(M_ARENA_MAX)):  # each arena in turn, twice
+        for _ in range(2 * arenas):  # each arena in turn, twice
             _free_in_an_arena(malloc, free)
     finally:
-        mallopt(M_TOP_PAD, _setting(M_TOP_PAD))
         mallopt(M_TRIM_THRESHOLD, _setting(M_TRIM_THRESHOLD))
     return True
 
