@@ -14,7 +14,7 @@ c=16 run, ~5 % of its throughput). So the server keeps glibc to its main arena, 
 grows by brk without that cap, maps no block of its own (M_MMAP_MAX 0), and trims the
 arena's top only past 1 GiB: a step's temporaries come from memory the steps before
 faulted in. One arena also held the RSS ~130 MiB below two and flatter under the soak;
-served c=16 was level with two arenas (3 alternated rounds).
+served c=16 was level with two arenas (9 alternated rounds, 0.96-1.10x).
 
 glibc's malloc keeps freed memory in its arena, fragmented between live blocks; it
 returns a page to the OS only when the arena's top is trimmed. Under mixed load (bursts,
