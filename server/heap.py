@@ -8,7 +8,7 @@ serves a block past its mmap threshold (32 MiB at most) with a mapping of its ow
 unmaps it at the free, and a thread's arena grows in heaps of 64 MiB at most, so such a
 block is mapped afresh whatever the thresholds: a 64-row decode step faulted ~10
 thousand pages back in every step (73 against 60 ms; served c=64 with `--max-batch 64`
-1.13x the throughput once they stayed; bench/results/NOTES.md). Below the ceiling a
+1.12x the throughput once they stayed; bench/results/NOTES.md). Below the ceiling a
 thread arena's emptied heap was unmapped as well (150-580 thousand faults in a served
 c=16 run, ~5 % of its throughput). So the server keeps glibc to its main arena, which
 grows by brk without that cap, maps no block of its own (M_MMAP_MAX 0), and trims the
