@@ -340,7 +340,7 @@ def test_a_q4_1_weight_multiplies_as_its_bf16_packing(backend, passes, n):
     q4_1 = jnp.asarray(linear.pack_q4_1(blocks))
     bf16_packed = jnp.asarray(linear.pack(linear.unpack_q4_1(np.asarray(q4_1))))
     x = jnp.asarray(rng.standard_normal((40, 576)).astype(np.float32))
-    for m in (1, 3, 16, 40):
+    for m in (1, 3, 7, 16, 40):
         for layer in (0, 1):
             got, want = (np.asarray(linear.packed_linear(x[:m], w, layer, backend, passes))
                          for w in (q4_1, bf16_packed))

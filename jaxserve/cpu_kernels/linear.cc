@@ -70,8 +70,8 @@ constexpr int64_t kOverlapBlocks = 2;  // x of at most this many row blocks: spl
 // work item of that many column blocks, so a 576-column output makes 9 items for 2 cores.
 constexpr int64_t kVecRows = 4;
 constexpr int64_t kVecBlocks = 4;
-// A decode batch of up to kStreamRows rows takes StreamBlocks, which prefetches the
-// weights kAhead k blocks ahead (measured on a Zen 5: 2 and 4 alike, 8 no better than
+// A decode batch of up to kStreamRows rows by a bf16 weight takes StreamBlocks, which
+// prefetches the weights kAhead k blocks ahead (measured on a Zen 5: 2 and 4 alike, 8 no better than
 // none; 64 rows gained nothing, 128 lost).
 constexpr int64_t kStreamRows = 32;
 constexpr int64_t kAhead = 2;
@@ -462,19 +462,22 @@ AVX512_BF16 void VecColumns(const Problem& p, int64_t b0, int64_t b1) {
 }
 
 // The attention kernel's list of the KV pages its next call reads (prefetch_job.h; set by
-// JaxserveSetPrefetchJob), of which StreamBlocks fetches kJobPages at each k block: 16
-// rows at context 512 publish up to 3,072 pages a layer, and a layer's projections run
-// ~1,700 k blocks (one page a block fetched ~56 % of them: a decode step 0.92x as long
-// with the pages scattered; two, all: 0.89x).
+// JaxserveSetPrefetchJob), of which a decode's loops fetch some as they go: StreamBlocks
+// kJobPages at each k block, WidenQ41 one every kJobTiles tiles (the same rate for an item
+// of 4 column blocks). 16 rows at context 512 publish up to 3,072 pages a layer, and a
+// layer's projections run ~1,700 k blocks (one page a block fetched ~56 % of them: a
+// decode step 0.92x as long with the pages scattered; two, all: 0.89x).
 jaxserve::PrefetchJob* prefetch_job = nullptr;
 constexpr int kJobPages = 2;
+constexpr int64_t kJobTiles = 2;
 
-// A decode batch (a few row blocks): VecColumns would stream an item's weights from memory
-// for its first row block and multiply them from cache for the others, one phase after the
-// other. Here each k block of the item is multiplied into every row block while it is in
-// L1 (the accumulators wait in `acc` between k blocks), so the memory stream runs beside
-// the multiplies. The same products, summed in the same order. Beside them, each k block
-// fetches a few of the KV pages the next attention call will read (prefetch_job).
+// A decode batch (a few row blocks) by a bf16 weight (the head; Q4_1 weights are widened
+// into L2 first and take VecColumns): VecColumns would stream an item's weights from
+// memory for its first row block and multiply them from cache for the others, one phase
+// after the other. Here each k block of the item is multiplied into every row block while
+// it is in L1 (the accumulators wait in `acc` between k blocks), so the memory stream runs
+// beside the multiplies. The same products, summed in the same order. Beside them, each k
+// block fetches a few of the KV pages the next attention call will read (prefetch_job).
 template <int C, bool kLo>
 AVX512_BF16 void StreamBlocks(const Problem& p, int64_t b) {
   alignas(64) float acc[kStreamRows][C][kCols];
@@ -547,13 +550,14 @@ constexpr int64_t kQ4Ahead = 16;  // tiles a widening prefetches ahead
 // operands, as gguf's dequantize computes (d * q) + m, d * q being exact), then to bf16
 // to nearest even, as `pack` rounds. So a Q4_1 weight multiplies exactly as the bf16
 // packing of its dequantized values does, from under a third of the bytes.
-AVX512_BF16 void WidenQ41(const uint8_t* w, int64_t tiles, uint16_t* out) {
+AVX512_BF16 void WidenQ41(const uint8_t* w, int64_t tiles, uint16_t* out, bool fetch_pages) {
   alignas(64) static constexpr int16_t kInterleave[32] = {
       0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
       8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
   const __m512i interleave = _mm512_load_si512(kInterleave);
   const __m512i low = _mm512_set1_epi32(0xf);
   for (int64_t t = 0; t < tiles; ++t, w += kQ4Tile, out += kTile) {
+    if (fetch_pages && t % kJobTiles == 0) prefetch_job->Step();
     for (int64_t line = 0; line < kQ4Tile; line += 64)  // the stream runs ahead of the widening
       _mm_prefetch(reinterpret_cast<const char*>(w + kQ4Ahead * kQ4Tile + line), _MM_HINT_T0);
     const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w)));
@@ -573,16 +577,20 @@ AVX512_BF16 void WidenQ41(const uint8_t* w, int64_t tiles, uint16_t* out) {
 
 // Column blocks [b0, b1) of a Q4_1 weight widened (WidenQ41) into this thread's buffer:
 // the sub-problem whose weight is the buffer and whose output starts at column block b0,
-// which the bf16 loops (AMX's or AVX512-BF16's) then multiply as a packed bf16 weight.
+// which the bf16 loops (AMX's or AVX512-BF16's) then multiply as a packed bf16 weight. A
+// decode's widening also fetches KV pages for the next attention call (prefetch_job).
 // (Widening each k block into L1 just before its multiplies, as StreamBlocks reads a bf16
 // weight, measured 1.1-1.2x the time of this on a Zen 5: its prefetches did not keep ahead
-// of it.)
+// of it. Widening each pair in a register, multiplied at once into 16 rows, 1.03x on a Zen
+// 4: a broadcast of x for every 1 multiply instead of every 4 cost more than the store.)
 AVX512_BF16 Problem Widened(const Problem& p, const uint8_t* w, int64_t b0, int64_t b1) {
   // (a buffer resized to each item's size zero-filled what WidenQ41 then overwrites, as
   // projections of other depths took turns on a thread: 1.4 % of a 16-row decode step)
   thread_local AlignedVector<uint16_t> widened;
   uint16_t* out = Grown(widened, (b1 - b0) * p.k_blocks * kTile, false);
-  WidenQ41(w + b0 * p.k_blocks * kQ4Tile, (b1 - b0) * p.k_blocks, out);
+  const bool fetch_pages = prefetch_job && p.m <= kStreamRows;
+  if (fetch_pages) prefetch_job->Want();
+  WidenQ41(w + b0 * p.k_blocks * kQ4Tile, (b1 - b0) * p.k_blocks, out, fetch_pages);
   Problem part = p;
   part.w = out;
   part.w_stride = p.k_blocks;
@@ -938,7 +946,12 @@ ffi::Error Linear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<kWe
               } else {
                 const Problem part = Widened(p, w8, b0, b1);
                 jaxserve::AwaitFlag(ready);
-                Bf16Columns(part, 0, b1 - b0);
+                // the widened item is in L2 for every row block, so a decode batch too
+                // takes VecColumns, whose accumulators stay in registers over all k
+                // blocks (StreamBlocks' ~0.87x of the bf16 units' rate, in cache, was for
+                // a weight streamed from memory; a 16-row decode step 0.95x, Zen 4)
+                if (part.x_lo) VecColumns<true, false>(part, 0, b1 - b0);
+                else VecColumns<false, false>(part, 0, b1 - b0);
               }
             } else {
               Bf16Columns(p, b0, b1);
