@@ -71,8 +71,8 @@ constexpr int64_t kOverlapBlocks = 2;  // x of at most this many row blocks: spl
 constexpr int64_t kVecRows = 4;
 constexpr int64_t kVecBlocks = 4;
 // A decode batch of up to kStreamRows rows by a bf16 weight takes StreamBlocks, which
-// prefetches the weights kAhead k blocks ahead (measured on a Zen 5: 2 and 4 alike, 8 no better than
-// none; 64 rows gained nothing, 128 lost).
+// prefetches the weights kAhead k blocks ahead (measured on a Zen 5: 2 and 4 alike, 8 no
+// better than none; 64 rows gained nothing, 128 lost).
 constexpr int64_t kStreamRows = 32;
 constexpr int64_t kAhead = 2;
 
@@ -577,18 +577,20 @@ AVX512_BF16 void WidenQ41(const uint8_t* w, int64_t tiles, uint16_t* out, bool f
 
 // Column blocks [b0, b1) of a Q4_1 weight widened (WidenQ41) into this thread's buffer:
 // the sub-problem whose weight is the buffer and whose output starts at column block b0,
-// which the bf16 loops (AMX's or AVX512-BF16's) then multiply as a packed bf16 weight. A
-// decode's widening also fetches KV pages for the next attention call (prefetch_job).
+// which the bf16 loops (AMX's or AVX512-BF16's) then multiply as a packed bf16 weight.
+// With `fetch_pages` (AVX512-BF16's decode batches), the widening also fetches KV pages
+// for the next attention call (prefetch_job).
 // (Widening each k block into L1 just before its multiplies, as StreamBlocks reads a bf16
 // weight, measured 1.1-1.2x the time of this on a Zen 5: its prefetches did not keep ahead
-// of it. Widening each pair in a register, multiplied at once into 16 rows, 1.03x on a Zen
-// 4: a broadcast of x for every 1 multiply instead of every 4 cost more than the store.)
-AVX512_BF16 Problem Widened(const Problem& p, const uint8_t* w, int64_t b0, int64_t b1) {
+// of it. Widening each pair in a register, multiplied at once into 16 rows, ~1.04x on a
+// Zen 4: a broadcast of x for every multiply instead of every 4 cost more than the store.)
+AVX512_BF16 Problem Widened(const Problem& p, const uint8_t* w, int64_t b0, int64_t b1,
+                            bool fetch_pages) {
   // (a buffer resized to each item's size zero-filled what WidenQ41 then overwrites, as
   // projections of other depths took turns on a thread: 1.4 % of a 16-row decode step)
   thread_local AlignedVector<uint16_t> widened;
   uint16_t* out = Grown(widened, (b1 - b0) * p.k_blocks * kTile, false);
-  const bool fetch_pages = prefetch_job && p.m <= kStreamRows;
+  fetch_pages = fetch_pages && prefetch_job;
   if (fetch_pages) prefetch_job->Want();
   WidenQ41(w + b0 * p.k_blocks * kQ4Tile, (b1 - b0) * p.k_blocks, out, fetch_pages);
   Problem part = p;
@@ -803,7 +805,7 @@ AMX int64_t DrainColumns(const Problem& p, const uint8_t* w8, const float* resid
   for (int64_t i = next.fetch_add(1); i < items; i = next.fetch_add(1)) {
     if (!finished) ConfigureTiles();
     const int64_t b0 = i * kItemBlocks, b1 = std::min(p.n_blocks, b0 + kItemBlocks);
-    const Problem part = w8 ? Widened(p, w8, b0, b1) : p;
+    const Problem part = w8 ? Widened(p, w8, b0, b1, false) : p;
     jaxserve::AwaitFlag(x_ready);
     if (w8) Columns(part, 0, b1 - b0);
     else Columns(p, b0, b1);
@@ -944,7 +946,7 @@ ffi::Error Linear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<kWe
               if (int8.q) {
                 Int8Columns(p, int8, w8, b0, b1);
               } else {
-                const Problem part = Widened(p, w8, b0, b1);
+                const Problem part = Widened(p, w8, b0, b1, p.m <= kStreamRows);
                 jaxserve::AwaitFlag(ready);
                 // the widened item is in L2 for every row block, so a decode batch too
                 // takes VecColumns, whose accumulators stay in registers over all k

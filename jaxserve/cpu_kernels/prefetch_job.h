@@ -7,9 +7,10 @@
 // 16 rows at context 512, 0.53 ms a layer with the pages scattered, 0.21 ms with them
 // cached. The projections between two attention calls are bound by their multiplies and
 // leave the memory bus idle. So each attention call publishes the next layer's pages here
-// (paged_attention.cc), and linear.cc's decode loops prefetch them as they go (StreamBlocks
-// a couple at every k block, WidenQ41 one every other Q4_1 tile). Prefetches are hints that never fault, so a page freed or
-// republished meanwhile costs a wasted fetch, never a wrong result.
+// (paged_attention.cc), and linear.cc's AVX512-BF16 decode loops prefetch them as they go
+// (StreamBlocks a couple at every k block, WidenQ41 one every other Q4_1 tile). Prefetches
+// are hints that never fault, so a page freed or republished meanwhile costs a wasted
+// fetch, never a wrong result.
 #pragma once
 
 #include <immintrin.h>
