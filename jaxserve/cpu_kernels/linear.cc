@@ -602,9 +602,13 @@ AVX512_BF16 Problem Widened(const Problem& p, const uint8_t* w, int64_t b0, int6
 }
 
 // Output columns [16 * b0, 16 * b1) of a bf16 weight on AVX512-BF16: a decode batch's
-// rows by StreamColumns, others by VecColumns.
-AVX512_BF16 void Bf16Columns(const Problem& p, int64_t b0, int64_t b1) {
-  const bool stream = p.m > kVecRows && p.m <= kStreamRows;
+// rows by StreamColumns, others by VecColumns. A weight already `cached` (a widened Q4_1
+// item, in L2 for every row block) takes VecColumns for a decode batch too, whose
+// accumulators stay in registers over all k blocks (StreamBlocks' ~0.87x of the bf16
+// units' rate, in cache, is for a weight streamed from memory; a 16-row decode step 0.95x,
+// Zen 4).
+AVX512_BF16 void Bf16Columns(const Problem& p, int64_t b0, int64_t b1, bool cached = false) {
+  const bool stream = !cached && p.m > kVecRows && p.m <= kStreamRows;
   if (stream && p.x_lo) StreamColumns<true>(p, b0, b1);
   else if (stream) StreamColumns<false>(p, b0, b1);
   else if (p.pairs != kRows && p.x_lo) VecColumns<true, true>(p, b0, b1);
@@ -948,12 +952,7 @@ ffi::Error Linear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<kWe
               } else {
                 const Problem part = Widened(p, w8, b0, b1, p.m <= kStreamRows);
                 jaxserve::AwaitFlag(ready);
-                // the widened item is in L2 for every row block, so a decode batch too
-                // takes VecColumns, whose accumulators stay in registers over all k
-                // blocks (StreamBlocks' ~0.87x of the bf16 units' rate, in cache, was for
-                // a weight streamed from memory; a 16-row decode step 0.95x, Zen 4)
-                if (part.x_lo) VecColumns<true, false>(part, 0, b1 - b0);
-                else VecColumns<false, false>(part, 0, b1 - b0);
+                Bf16Columns(part, 0, b1 - b0, /*cached=*/true);
               }
             } else {
               Bf16Columns(p, b0, b1);
