@@ -31,6 +31,7 @@ from jaxserve.device.adapters import SlotStore, slot_axes
 from jaxserve.device.attention import select_backend
 from jaxserve.device.batch import pack_step
 from jaxserve.device.executables import ExecutableStore, compile_ahead
+from jaxserve.device.huge_pages import back_with_huge_pages
 from jaxserve.device.kv_cache import (
     CALIBRATED,
     CALIBRATION_HEADROOM,
@@ -189,6 +190,7 @@ class ModelRunner:
             self.state = jax.device_put(self.state, self.layout.state)
             self.row_state = jax.device_put(self.row_state, self.layout.data)
         self._weights = jax.tree.leaves(self.state)  # what the jitted calls take
+        back_with_huge_pages(self._weights + jax.tree.leaves(self.kv_cache))
         self._step = jit_step(self.graphdef, self.state, self.layout)
         self._score = jit_score(self.graphdef, self.state, self.layout)
         # each (program, bucket)'s executable, compiled (or loaded) on its first call
