@@ -503,9 +503,13 @@ AVX512_BF16 void StreamBlocks(const Problem& p, int64_t b) {
           a[r][c] = kb ? _mm512_load_ps(acc[row + r][c]) : _mm512_setzero_ps();
       const auto multiply = [&](int64_t pair) AVX512_BF16 __attribute__((always_inline)) {
         if (rb == 0)
-          for (int c = 0; c < C; ++c)
-            _mm_prefetch(reinterpret_cast<const char*>(
-                w + (c * p.w_stride + kb + kAhead) * kTile + pair * kDepth), _MM_HINT_T0);
+          for (int c = 0; c < C; ++c) {
+            const uint16_t* ahead = w + (c * p.w_stride + kb) * kTile + pair * kDepth;
+            _mm_prefetch(reinterpret_cast<const char*>(ahead + kAhead * kTile), _MM_HINT_T0);
+            // and into L2 as far again ahead: more lines in flight than L1's misses can
+            // track (the head, 56.6 MB at 16 rows: a decode step 0.992x, Zen 4)
+            _mm_prefetch(reinterpret_cast<const char*>(ahead + 2 * kAhead * kTile), _MM_HINT_T1);
+          }
         MultiplyPair<kVecRows, C, kLo>(p, a, w, row, kb, pair);
       };
       if (p.pairs == kRows)  // a constant trip count, as in VecBlock
