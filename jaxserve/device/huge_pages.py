@@ -5,7 +5,7 @@ a 4 KiB page of memory holds two of them: the TLB's few thousand entries cover a
 Linux gives 2 MiB pages to memory asked for them (`madvise(MADV_HUGEPAGE)`, where the
 machine's transparent huge pages are `madvise`, the common default) and collapses memory
 already written into them (`MADV_COLLAPSE`, Linux 6.1+). XLA's CPU buffers are plain
-heap memory, asked for nothing. A 16-row decode step measured 0.985x as long so at
+heap memory, asked for nothing. So backed, a 16-row decode step took 0.985x as long at
 context 512 and 0.992x at 264 (AMD Zen 4; bench/results/NOTES.md). Where the kernel
 refuses (older Linux, THP `never`) the buffers stay as they were: this is only a hint.
 """
