@@ -28,13 +28,12 @@ def back_with_huge_pages(arrays) -> int:
     collapsed = 0
     for array in arrays:
         for shard in array.addressable_shards:
-            buffer = shard.data
-            if shard.device.platform != "cpu" or buffer.nbytes < HUGE_PAGE:
+            if shard.device.platform != "cpu":
                 continue
-            address = buffer.unsafe_buffer_pointer()
+            address, size = shard.data.unsafe_buffer_pointer(), shard.data.nbytes
             start = -(-address // HUGE_PAGE) * HUGE_PAGE
-            end = (address + buffer.nbytes) // HUGE_PAGE * HUGE_PAGE
-            if end <= start:
+            end = (address + size) // HUGE_PAGE * HUGE_PAGE
+            if end <= start:  # no whole 2 MiB span inside (every buffer under 2 MiB)
                 continue
             libc.madvise(start, end - start, MADV_HUGEPAGE)  # later growth, and khugepaged
             if libc.madvise(start, end - start, MADV_COLLAPSE) == 0:
