@@ -365,20 +365,14 @@ class Engine:
                 {int(i): float(v) for i, v in zip(ids[:n], values[:n])}
                 for ids, values in zip(output.top_ids[row, :k], output.top_logprobs[row, :k])
             )
-        prompt = first and request.params.prompt_logprobs is not None
-        result = RequestOutput(
-            request.request_id,
-            tuple(tokens),
-            "".join(texts),
-            request.finish_reason,
-            len(request.prompt_ids),
-            logprobs,
-            top,
-            queue_seconds=request.admitted_time - request.arrival_time if first else None,
-            time=now,
-            prompt_logprobs=tuple(request.prompt_logprobs) if prompt else None,
-            prompt_top_logprobs=tuple(request.prompt_top_logprobs) if prompt else None,
-        )
+        queue_seconds = request.admitted_time - request.arrival_time if first else None
+        # positional (keywords cost ~0.15 us each, every row of every step)
+        result = RequestOutput(request.request_id, tuple(tokens), "".join(texts),
+                               request.finish_reason, len(request.prompt_ids), logprobs, top,
+                               queue_seconds, now)
+        if first and request.params.prompt_logprobs is not None:
+            result.prompt_logprobs = tuple(request.prompt_logprobs)
+            result.prompt_top_logprobs = tuple(request.prompt_top_logprobs)
         request.stream.push(result, wake=False)
         return len(tokens)
 

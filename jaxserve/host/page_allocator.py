@@ -14,6 +14,7 @@ page, and every misuse (double free, freeing a page one does not hold) raises.
 """
 
 import hashlib
+from array import array
 from collections import OrderedDict
 from collections.abc import Hashable, Sequence
 
@@ -38,7 +39,8 @@ def page_keys(
         parent = salt.encode()
     for start in range(0, len(token_ids) - page_size + 1, page_size):
         digest = hashlib.blake2b(parent, digest_size=16)
-        digest.update(b",".join(str(t).encode() for t in token_ids[start : start + page_size]))
+        # the ids as 8-byte integers: a third of the time of joining their digits
+        digest.update(array("q", token_ids[start : start + page_size]).tobytes())
         parent = digest.digest()
         keys.append(parent)
     return keys

@@ -37,6 +37,9 @@ class StepOutput:
     def accepted(self) -> list[list[int]]:
         """Every row's accepted tokens, converted in one go (slicing the arrays row by row
         costs ~0.25 us a row, which a 256-row step pays on the host)."""
+        if self.tokens.shape[1] == 1:  # no drafts: half the time of slicing each row
+            return [[t] if n else [] for t, n in zip(self.tokens[:, 0].tolist(),
+                                                     self.num_accepted.tolist())]
         return [row[:n] for row, n in zip(self.tokens.tolist(), self.num_accepted.tolist())]
 
     @staticmethod

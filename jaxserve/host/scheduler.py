@@ -182,18 +182,20 @@ class Scheduler:
     def _plan(self, shard: int) -> list[Chunk]:
         """One shard's chunks: every decode (with what drafts the budget leaves room for),
         then prefill chunks in the budget, in admission's order (see the module docstring)."""
-        running = [r for r in self.running.values() if r.shard == shard and not r.finished
-                   and r.num_generated + r.num_pending < r.params.max_tokens]
-        decoding = [r for r in running if not r.in_prefill]
+        decoding, prefilling = [], []
+        for r in self.running.values():
+            if (r.shard == shard and not r.finished
+                    and r.num_generated + r.num_pending < r.params.max_tokens):
+                (prefilling if r.in_prefill else decoding).append(r)
         budget = self.token_budget - len(decoding)  # a decode's own token comes first
         chunks = []
         for request in decoding:  # decodes first: they must not wait on prefills
-            # drafts fit the budget and the request's pages (its maximum length)
-            room = request.max_total_tokens - request.num_tokens
-            drafts = request.spec_token_ids[: max(0, min(budget, room))]
+            drafts = request.spec_token_ids
+            if drafts:  # they fit the budget and the request's pages (its maximum length)
+                room = request.max_total_tokens - request.num_tokens
+                drafts = drafts[: max(0, min(budget, room))]
+                budget -= len(drafts)
             chunks.append(self._chunk(request, 1, drafts))
-            budget -= len(drafts)
-        prefilling = [r for r in running if r.in_prefill]
         # a stable sort: oldest first among equals
         prefilling.sort(key=lambda r: (r.priority, self.running_per_tenant[r.tenant]))
         for request in prefilling:
@@ -331,22 +333,22 @@ class Scheduler:
         if len(tokens) < n:  # a decode of the token a step in flight samples
             tokens = (pending_token(request.row),)
         samples = end == request.num_tokens
-        chunk = Chunk(
-            tokens + drafts,
+        chunk = Chunk(  # positional: keywords cost ~0.4 us more a row, every step
+            tokens + drafts,  # token_ids
             start,
             request.pages,
             request.params,
-            seed=request.seed,
-            num_generated=request.num_generated + request.num_pending,
-            row=request.row,
-            is_prompt=prompt,
-            samples=samples,
-            first=start == request.num_cached_tokens,
-            request_id=request.request_id,
-            shard=request.shard,
-            num_speculative=len(drafts),
-            score_targets=targets,
-            adapter_slot=request.adapter_slot,
+            request.seed,
+            request.num_generated + request.num_pending,  # num_generated
+            request.row,
+            prompt,  # is_prompt
+            samples,
+            start == request.num_cached_tokens,  # first
+            request.request_id,
+            request.shard,
+            len(drafts),  # num_speculative
+            targets,  # score_targets
+            request.adapter_slot,
         )
         request.num_computed = end
         request.num_pending += samples
