@@ -81,6 +81,7 @@ class Tokenizer:
         self._compiled_template: jinja2.Template | None = None
         self._token_texts: dict[int, str] = {}
         self._token_bytes: dict[bool, list[bytes] | None] = {}
+        self._whole_texts: dict[bool, list[str | None] | None] = {}
 
     # ---- construction -------------------------------------------------------------------
 
@@ -262,6 +263,16 @@ class Tokenizer:
             self._token_bytes[skip_special_tokens] = table
         return self._token_bytes[skip_special_tokens]
 
+    def whole_texts(self, skip_special_tokens: bool = True) -> list[str | None] | None:
+        """`token_bytes` decoded, where an id's bytes are whole UTF-8 characters (None where
+        they hold part of one): a stream's common case, without the incremental decoder."""
+        if skip_special_tokens not in self._whole_texts:
+            table = self.token_bytes(skip_special_tokens)
+            if table is not None:
+                table = [_whole_text(b) for b in table]
+            self._whole_texts[skip_special_tokens] = table
+        return self._whole_texts[skip_special_tokens]
+
     @property
     def vocab_size(self) -> int:
         """Number of token ids, added tokens included."""
@@ -350,6 +361,8 @@ class IncrementalDetokenizer:
         self._tokenizer = tokenizer
         self._skip_special_tokens = skip_special_tokens
         self._token_bytes = tokenizer.token_bytes(skip_special_tokens)
+        self._whole_texts = tokenizer.whole_texts(skip_special_tokens)
+        self._holding = False  # the UTF-8 decoder holds part of a character
         # bad bytes become U+FFFD, as in Rust's from_utf8_lossy that `decode` applies
         self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")
         # the window (other decoders only)
@@ -366,7 +379,11 @@ class IncrementalDetokenizer:
     def add(self, token_id: int) -> str:
         """Append one generated id; returns the text it completes (often "", never a split char)."""
         if self._token_bytes is not None:
-            return self._emit(self._utf8.decode(self._token_bytes[token_id]))
+            text = self._whole_texts[token_id]
+            if text is None or self._holding:  # a character's part, or the rest of one
+                text = self._utf8.decode(self._token_bytes[token_id])
+                self._holding = bool(self._utf8.getstate()[0])
+            return self._emit(text)
         self._window_ids.append(token_id)
         return self._advance(hold_incomplete=True)
 
@@ -397,6 +414,14 @@ class IncrementalDetokenizer:
 
 
 # ---- helpers ------------------------------------------------------------------------------
+
+
+def _whole_text(data: bytes) -> str | None:
+    """`data` as text if it is whole UTF-8 characters, else None."""
+    try:
+        return data.decode()
+    except UnicodeDecodeError:
+        return None
 
 
 def _gguf_pre_tokenizer(name: str) -> pre_tokenizers.PreTokenizer:

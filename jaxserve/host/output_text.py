@@ -43,22 +43,23 @@ class OutputText:
 
     def append(self, token_id: int) -> str:
         """Take one generated token; return the text newly released to the client."""
+        params = self.params
         self.num_generated += 1
-        may_stop = self.num_generated > self.params.min_tokens
-        is_eos = token_id in self.eos_token_ids and not self.params.ignore_eos
-        if may_stop and (is_eos or token_id in self.params.stop_token_ids):
+        may_stop = self.num_generated > params.min_tokens
+        is_eos = token_id in self.eos_token_ids and not params.ignore_eos
+        if may_stop and (is_eos or token_id in params.stop_token_ids):
             self.finish_reason = "stop"
             return self._release(self._pending + self._detok.flush())
         self._pending += self._detok.add(token_id)
-        if may_stop and self.params.stop:
-            cut = _first_stop(self._pending, self.params.stop)
+        if may_stop and params.stop:
+            cut = _first_stop(self._pending, params.stop)
             if cut is not None:
                 self.finish_reason = "stop"
                 return self._release(self._pending[:cut])
-        if self.num_generated >= self.params.max_tokens:
+        if self.num_generated >= params.max_tokens:
             self.finish_reason = "length"
             return self._release(self._pending + self._detok.flush())
-        keep = _partial_stop_suffix(self._pending, self.params.stop) if self.params.stop else 0
+        keep = _partial_stop_suffix(self._pending, params.stop) if params.stop else 0
         return self._release(self._pending[: len(self._pending) - keep], keep)
 
     def _release(self, text: str, keep: int = 0) -> str:
