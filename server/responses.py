@@ -1,10 +1,10 @@
 """From engine streams to an HTTP answer: one JSON body, or SSE events as tokens come.
 
-Each choice of a response is one engine request with its output stream. A pump reads
-it (observing the latency metrics at the engine's emit times); a stream writes
-through a bounded sink and a small socket buffer, so a client that falls behind stops
-its pumps and its outputs wait in its engine streams, merged (bounded by the
-request's own output). Only a client that has not read for the write timeout is
+Each choice of a response is one engine request with its output stream, read (the
+latency metrics observed at the engine's emit times) by the answer's own task for one
+choice, else by a pump each into a bounded sink. A stream writes through that and a
+small socket buffer, so a client that falls behind stops the reading and its outputs
+wait in its engine streams, merged (bounded by the request's own output). Only a client that has not read for the write timeout is
 dropped, and its requests cancelled: a reader that lags for a moment loses nothing.
 """
 
@@ -73,8 +73,15 @@ class Responder:
         return form.req.model or self.model_name
 
     async def pump(self, choice: Choice, start: float, sink: asyncio.Queue | None = None):
-        """Read one engine stream to its end, observing latency metrics on the way
-        (at the engine's emit times: a lazy stream is read in batches)."""
+        """Read one engine stream to its end (`observed`), into `sink` if given."""
+        async for out in self.observed(choice, start):
+            if sink is not None:
+                await sink.put((choice, out))
+
+    async def observed(self, choice: Choice, start: float):
+        """One engine stream's outputs as they come, each recorded on `choice` and its
+        latency metrics observed (at the engine's emit times: a lazy stream is read in
+        batches); APIError after a final "error" output."""
         m = self.metrics
         last = None
         async for out in choice.stream:
@@ -98,8 +105,7 @@ class Responder:
                 m.e2e_request_latency.observe(now - start)
                 m.prompt_tokens.inc(len(choice.prompt_ids))
                 m.request_success.labels(out.finish_reason).inc()
-            if sink is not None:
-                await sink.put((choice, out))
+            yield out
         if choice.finish_reason == "error":
             raise APIError(500, "the engine failed while generating this request")
 
@@ -142,11 +148,16 @@ class Responder:
             # writes below soon block, and with them the pumps (see `sink`).
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, STREAM_SEND_BUFFER)
         await resp.prepare(http)
-        # Bounded, so a client that stops reading stops the pumps too: its outputs
-        # then wait merged in its engine streams (an unbounded sink would hold them
-        # here, one event a step).
-        sink: asyncio.Queue = asyncio.Queue(maxsize=len(choices))
-        pumps = [asyncio.create_task(self.pump(c, start, sink)) for c in choices]
+        pumps = []
+        if len(choices) == 1:  # read in place: no task and no queue hop a token
+            events = ((choices[0], out) async for out in self.observed(choices[0], start))
+        else:
+            # Bounded, so a client that stops reading stops the pumps too: its outputs
+            # then wait merged in its engine streams (an unbounded sink would hold them
+            # here, one event a step).
+            sink: asyncio.Queue = asyncio.Queue(maxsize=len(choices))
+            pumps = [asyncio.create_task(self.pump(c, start, sink)) for c in choices]
+            events = _taken(sink)
 
         def chunk(items: list[dict], usage: dict | None = None) -> dict:
             return fmt.body(form.chunk_name, response_id, self._model(form), items, usage)
@@ -168,8 +179,7 @@ class Responder:
                 if opening is not None:
                     await send(chunk([opening]))
             done = 0
-            while done < len(choices):
-                choice, out = await sink.get()
+            async for choice, out in events:
                 done += out.finished
                 if out.finish_reason == "error":
                     # the status line has gone: the failure is the stream's last event
@@ -190,6 +200,8 @@ class Responder:
                     return resp
                 if event is not None:
                     await send(event)
+                if done == len(choices):
+                    break
             if include_usage:
                 usage = fmt.usage(prompt_tokens, sum(c.num_tokens for c in choices))
                 await send(chunk([], usage))
@@ -203,6 +215,7 @@ class Responder:
         finally:
             for task in pumps:
                 task.cancel()
+            await events.aclose()
         return resp
 
 
@@ -211,6 +224,12 @@ class Responder:
         counted and named by the response's id."""
         self.metrics.response_errors.inc()
         return APIError(500, f"the server failed while writing the answer of {response_id}")
+
+
+async def _taken(sink: asyncio.Queue):
+    """What the pumps put into `sink`, as it comes."""
+    while True:
+        yield await sink.get()
 
 
 def log_request(c: Choice, tenant: str, start: float) -> None:
