@@ -4,8 +4,9 @@ Each choice of a response is one engine request with its output stream, read (th
 latency metrics observed at the engine's emit times) by the answer's own task for one
 choice, else by a pump each into a bounded sink. A stream writes through that and a
 small socket buffer, so a client that falls behind stops the reading and its outputs
-wait in its engine streams, merged (bounded by the request's own output). Only a client that has not read for the write timeout is
-dropped, and its requests cancelled: a reader that lags for a moment loses nothing.
+wait in its engine streams, merged (bounded by the request's own output). Only a
+client that has not read for the write timeout is dropped, and its requests cancelled:
+a reader that lags for a moment loses nothing.
 """
 
 import asyncio
