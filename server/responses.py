@@ -146,7 +146,7 @@ class Responder:
         sock = http.transport.get_extra_info("socket") if http.transport else None
         if sock is not None:
             # Autotuning grows a stalled reader's send buffer to megabytes; capped, the
-            # writes below soon block, and with them the pumps (see `sink`).
+            # writes below soon block, and with them the reading of its engine streams.
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, STREAM_SEND_BUFFER)
         await resp.prepare(http)
         pumps = []
