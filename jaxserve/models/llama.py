@@ -1,7 +1,8 @@
 """The Llama family (Llama 2/3, SmolLM2, Mistral, Qwen2) as a Flax NNX module.
 
 Decoder layers keep their weights stacked on a leading [num_layers] axis and run
-under `jax.lax.scan`, so compile time does not grow with depth. Kernels are
+under `jax.lax.scan`, so compile time does not grow with depth; the last runs after
+the scan, for the tokens whose logits are read. Kernels are
 stored [in, out]; the weight map transposes torch's [out, in] on load.
 """
 
@@ -23,6 +24,7 @@ from jaxserve.models.layers import (
     LoraGroup,
     Norm,
     PackedWeight,
+    layer_weights,
     linear,
     linear_group,
     lora_terms,
@@ -114,14 +116,13 @@ class DecoderLayers(nnx.Module):
         scale = cfg.head_dim**-0.5
         num_tokens = x.shape[0]
 
-        rows = metadata.logits_indices
-        rows_live = None if metadata.num_logits is None else metadata.num_logits[0]
-        last = cfg.num_layers - 1
+        def layer(carry, w, rows=None, rows_live=None):
+            x, cache, i = carry
+            # the tokens that go on past the attention: all, or the last layer's `rows`
+            # (of which the first `rows_live` are real)
+            after = slice(None) if rows is None else rows
 
-        def layer(carry, w):
-            x, x_read, cache, i = carry
-
-            def project(h, group, norm=None, gated=False, residual=None, on=slice(None), w=w):
+            def project(h, group, norm=None, gated=False, residual=None, on=slice(None)):
                 # projections of one input (its prologue and residual as `linear`'s) for the
                 # tokens `on`, adapter terms added
                 if adapters is None:  # if served
@@ -143,35 +144,27 @@ class DecoderLayers(nnx.Module):
             )
             v = v.reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim)
             cache = write_kv(cache, i, metadata.slot_mapping, k, v)
-            attn = paged_attention(q, cache, i, positions, metadata, scale).reshape(num_tokens, -1)
+            attn = paged_attention(q, cache, i, positions, metadata, scale)
+            if rows is not None:
+                w = with_live(w, rows_live)
+            (x,) = project(attn.reshape(num_tokens, -1)[after], "o", residual=x[after], on=after)
+            gate, up = project(x, "gate_up", Norm(w["post_norm"], cfg.rms_norm_eps), on=after)
+            # silu(gate) * up in the down projection's kernel where it has one (`linear`)
+            (x,) = project((gate, up), "down", gated=True, residual=x, on=after)
+            return (x, cache, i + 1), None
 
-            def mlp(on, w):  # the o projection and the MLP for the tokens `on`
-                (h,) = project(attn[on], "o", residual=x[on], on=on, w=w)
-                gate, up = project(h, "gate_up", Norm(w["post_norm"], cfg.rms_norm_eps), on=on,
-                                   w=w)
-                # silu(gate) * up in the down projection's kernel where it has one (`linear`)
-                (h,) = project((gate, up), "down", gated=True, residual=h, on=on, w=w)
-                return h
-
-            def every_token():
-                return mlp(slice(None), w), x_read
-
-            def logits_rows():  # the last layer: only the rows the head reads go on
-                return x, mlp(rows, with_live(w, rows_live))
-
-            x, x_read = jax.lax.cond(i == last, logits_rows, every_token)
-            return (x, x_read, cache, i + 1), None
-
-        # The step's real tokens come first (device/batch.py): its bucket's padding after.
+        # the step's real tokens come first (device/batch.py): its bucket's padding after
+        last = cfg.num_layers - 1
+        (x, kv_cache, _), _ = scan_layers(layer, (x, kv_cache, jnp.int32(0)), weights,
+                                          metadata.cu_q_lens[-1], layers=last)
         # The last layer writes every token's K/V, but its o projection and MLP run for the
-        # tokens whose logits the head reads only (a prompt chunk's last), into `x_read`:
-        # ~3 % of a prompt's multiplies. A row's kernels give it the same bits whatever
-        # rows run beside it. (That layer run after the scan instead, its kernel calls
-        # waited on the pool's threads: a one-row decode step ~1.07x as long.)
-        x_read = jnp.zeros((rows.shape[0], x.shape[1]), x.dtype)
-        (x, x_read, kv_cache, _), _ = scan_layers(
-            layer, (x, x_read, kv_cache, jnp.int32(0)), weights, metadata.cu_q_lens[-1])
-        return x_read, kv_cache
+        # tokens whose logits the head reads only (a prompt chunk's last): ~3 % of a prompt's
+        # multiplies. A row's kernels give it the same bits whatever rows run beside it.
+        (x, kv_cache, _), _ = layer(
+            (x, kv_cache, jnp.int32(last)), layer_weights(weights, last, metadata.cu_q_lens[-1]),
+            rows=metadata.logits_indices,
+            rows_live=None if metadata.num_logits is None else metadata.num_logits[0])
+        return x, kv_cache
 
 
 class LlamaForCausalLM(nnx.Module):
@@ -199,7 +192,8 @@ class LlamaForCausalLM(nnx.Module):
         head = self.lm_head.get_value() if hasattr(self, "lm_head") else self.embed[...].T
         if isinstance(head, PackedWeight) and metadata.num_logits is not None:
             head = dataclasses.replace(head, live=metadata.num_logits[0])  # no padding drafts
-        logits = linear(x, head, Norm(self.norm[...], self.config.rms_norm_eps))
+        logits = linear(x, head,
+                        Norm(self.norm[...], self.config.rms_norm_eps))
         return logits.astype(jnp.float32), kv_cache
 
 
