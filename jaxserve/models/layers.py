@@ -200,45 +200,24 @@ def lora_terms(x: jax.Array, group: LoraGroup) -> list[jax.Array]:
     return jax.lax.cond(group.active, terms, zeros, x)
 
 
-def scan_layers(body, carry, weights: dict, live: jax.Array | None = None,
-                layers: int | None = None):
-    """jax.lax.scan of body(carry, one layer's weights) over the first `layers` (default:
-    all) of weights stacked on a leading [num_layers] axis (a nested dict too); a
-    PackedWeight is passed whole, with the layer's index and the step's `live` tokens
-    (PackedWeight's)."""
+def scan_layers(body, carry, weights: dict, live: jax.Array | None = None):
+    """jax.lax.scan of body(carry, one layer's weights) over weights stacked on a leading
+    [num_layers] axis (a nested dict too); a PackedWeight is passed whole, with the layer's
+    index and the step's `live` tokens (PackedWeight's)."""
     sliced = jax.tree.map(lambda w: None if isinstance(w, PackedWeight) else w, weights,
                           is_leaf=is_packed)
-    if layers is None:
-        layers = jax.tree.leaves(sliced)[0].shape[0]
+    num_layers = jax.tree.leaves(sliced)[0].shape[0]
 
     def step(carry, xs):
         i, layer = xs
-        return body(carry, _at_layer(weights, layer, i, live))
 
-    xs = (jnp.arange(layers, dtype=jnp.int32), jax.tree.map(lambda w: w[:layers], sliced))
-    return jax.lax.scan(step, carry, xs)
+        def at_layer(whole, sliced):
+            return dataclasses.replace(whole, layer=i, live=live) if (
+                isinstance(whole, PackedWeight)) else sliced
 
+        return body(carry, jax.tree.map(at_layer, weights, layer, is_leaf=is_packed))
 
-def layer_weights(weights: dict, i: int, live: jax.Array | None = None) -> dict:
-    """Layer i's weights from a stack, as `scan_layers` hands them to its body (a layer
-    run outside the scan)."""
-    sliced = jax.tree.map(lambda w: None if isinstance(w, PackedWeight) else w[i], weights,
-                          is_leaf=is_packed)
-    return _at_layer(weights, sliced, jnp.int32(i), live)
-
-
-def with_live(weights: dict, live: jax.Array | None) -> dict:
-    """`weights` with each PackedWeight's `live` rows set to `live`."""
-    return jax.tree.map(lambda w: dataclasses.replace(w, live=live) if isinstance(
-        w, PackedWeight) else w, weights, is_leaf=is_packed)
-
-
-def _at_layer(weights: dict, sliced: dict, i: jax.Array, live: jax.Array | None) -> dict:
-    def at_layer(whole, one):
-        return dataclasses.replace(whole, layer=i, live=live) if (
-            isinstance(whole, PackedWeight)) else one
-
-    return jax.tree.map(at_layer, weights, sliced, is_leaf=is_packed)
+    return jax.lax.scan(step, carry, (jnp.arange(num_layers, dtype=jnp.int32), sliced))
 
 
 def is_packed(x: object) -> bool:

@@ -1,8 +1,7 @@
 """The Llama family (Llama 2/3, SmolLM2, Mistral, Qwen2) as a Flax NNX module.
 
 Decoder layers keep their weights stacked on a leading [num_layers] axis and run
-under `jax.lax.scan`, so compile time does not grow with depth; the last runs after
-the scan, for the tokens whose logits are read. Kernels are
+under `jax.lax.scan`, so compile time does not grow with depth. Kernels are
 stored [in, out]; the weight map transposes torch's [out, in] on load.
 """
 
@@ -24,13 +23,11 @@ from jaxserve.models.layers import (
     LoraGroup,
     Norm,
     PackedWeight,
-    layer_weights,
     linear,
     linear_group,
     lora_terms,
     prologue,
     scan_layers,
-    with_live,
 )
 
 
@@ -73,8 +70,7 @@ def _param(rngs: nnx.Rngs, shape: tuple[int, ...], dtype: jnp.dtype) -> nnx.Para
 
 
 class DecoderLayers(nnx.Module):
-    """Every decoder layer's weights, stacked on a leading [num_layers] axis; called, the
-    hidden states of the tokens at `metadata.logits_indices` after the last layer."""
+    """Every decoder layer's weights, stacked on a leading [num_layers] axis."""
 
     def __init__(self, config: ModelConfig, rngs: nnx.Rngs, dtype: jnp.dtype = jnp.float32):
         n, d, f = config.num_layers, config.hidden_size, config.intermediate_size
@@ -116,22 +112,18 @@ class DecoderLayers(nnx.Module):
         scale = cfg.head_dim**-0.5
         num_tokens = x.shape[0]
 
-        def layer(carry, w, rows=None, rows_live=None):
+        def layer(carry, w):
             x, cache, i = carry
-            # the tokens that go on past the attention: all, or the last layer's `rows`
-            # (of which the first `rows_live` are real)
-            after = slice(None) if rows is None else rows
 
-            def project(h, group, norm=None, gated=False, residual=None, on=slice(None)):
-                # projections of one input (its prologue and residual as `linear`'s) for the
-                # tokens `on`, adapter terms added
+            def project(h, group, norm=None, gated=False, residual=None):  # projections of
+                # one input (its prologue and residual as `linear`'s), adapter terms added
                 if adapters is None:  # if served
                     return linear_group(h, w, group, GROUPS[group], norm, gated, residual)
                 h = prologue(h, norm, gated)  # which the adapters' terms read too
                 ys = linear_group(h, w, group, GROUPS[group])
                 slots = w["adapters"]
                 lora = LoraGroup(slots["a"][group], tuple(slots["b"][n] for n in GROUPS[group]),
-                                 mix[on], active, adapters.token_slots[on], adapters.slots.rank)
+                                 mix, active, adapters.token_slots, adapters.slots.rank)
                 ys = [y + term for y, term in zip(ys, lora_terms(h, lora))]
                 return ys if residual is None else [residual + y for y in ys]
 
@@ -145,25 +137,15 @@ class DecoderLayers(nnx.Module):
             v = v.reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim)
             cache = write_kv(cache, i, metadata.slot_mapping, k, v)
             attn = paged_attention(q, cache, i, positions, metadata, scale)
-            if rows is not None:
-                w = with_live(w, rows_live)
-            (x,) = project(attn.reshape(num_tokens, -1)[after], "o", residual=x[after], on=after)
-            gate, up = project(x, "gate_up", Norm(w["post_norm"], cfg.rms_norm_eps), on=after)
+            (x,) = project(attn.reshape(num_tokens, -1), "o", residual=x)
+            gate, up = project(x, "gate_up", Norm(w["post_norm"], cfg.rms_norm_eps))
             # silu(gate) * up in the down projection's kernel where it has one (`linear`)
-            (x,) = project((gate, up), "down", gated=True, residual=x, on=after)
+            (x,) = project((gate, up), "down", gated=True, residual=x)
             return (x, cache, i + 1), None
 
         # the step's real tokens come first (device/batch.py): its bucket's padding after
-        last = cfg.num_layers - 1
         (x, kv_cache, _), _ = scan_layers(layer, (x, kv_cache, jnp.int32(0)), weights,
-                                          metadata.cu_q_lens[-1], layers=last)
-        # The last layer writes every token's K/V, but its o projection and MLP run for the
-        # tokens whose logits the head reads only (a prompt chunk's last): ~3 % of a prompt's
-        # multiplies. A row's kernels give it the same bits whatever rows run beside it.
-        (x, kv_cache, _), _ = layer(
-            (x, kv_cache, jnp.int32(last)), layer_weights(weights, last, metadata.cu_q_lens[-1]),
-            rows=metadata.logits_indices,
-            rows_live=None if metadata.num_logits is None else metadata.num_logits[0])
+                                          metadata.cu_q_lens[-1])
         return x, kv_cache
 
 
@@ -192,7 +174,7 @@ class LlamaForCausalLM(nnx.Module):
         head = self.lm_head.get_value() if hasattr(self, "lm_head") else self.embed[...].T
         if isinstance(head, PackedWeight) and metadata.num_logits is not None:
             head = dataclasses.replace(head, live=metadata.num_logits[0])  # no padding drafts
-        logits = linear(x, head,
+        logits = linear(x[metadata.logits_indices], head,
                         Norm(self.norm[...], self.config.rms_norm_eps))
         return logits.astype(jnp.float32), kv_cache
 
